@@ -1,0 +1,2 @@
+"""gpu_impl: implementations of the contract on CUDA tensors (cuDNN-backed) and a portable
+torch backend. Importing this package never needs cuDNN."""

@@ -1,0 +1,32 @@
+"""dsv4-oracle float64 reference: the definition of ``shared/CONTRACT.md``.
+
+Every function converts its inputs to float64 CPU tensors (any float dtype or device is
+accepted), validates them before computing, never modifies them, sets no global torch state,
+and names the contract section it implements.
+"""
+from .attention import sparse_attention_backward, sparse_attention_forward
+from .cp import cp_partition
+from .indexer import indexer_scores
+from .indexer_loss import IndexerLoss, sparse_indexer_loss, sparse_indexer_loss_grad
+from .indices import build_csa_indices
+from .layout import PackedLayout
+from .qnorm import q_rms_norm, q_rms_norm_bf16
+from .topk import stable_topk
+
+ORACLE_VERSION = "0.1.0"
+
+__all__ = [
+    "ORACLE_VERSION",
+    "IndexerLoss",
+    "PackedLayout",
+    "build_csa_indices",
+    "cp_partition",
+    "indexer_scores",
+    "q_rms_norm",
+    "q_rms_norm_bf16",
+    "sparse_attention_backward",
+    "sparse_attention_forward",
+    "sparse_indexer_loss",
+    "sparse_indexer_loss_grad",
+    "stable_topk",
+]

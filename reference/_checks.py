@@ -1,0 +1,83 @@
+"""Argument validation shared by every oracle function.
+
+Every public function converts its inputs with these helpers *before* computing anything, so a
+bad argument raises a ``TypeError`` or ``ValueError`` that names it, and no input is ever
+modified (the helpers never write into the tensors they are given).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+F64 = torch.float64
+CPU = torch.device("cpu")
+
+
+def as_float64(x, name: str, *, ndim: int | None = None, allow_nan: bool = True) -> torch.Tensor:
+    """A float tensor of any dtype/device as a float64 CPU tensor (a view or copy, never mutated)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    out = x.to(device=CPU, dtype=F64)
+    if not allow_nan and bool(torch.isnan(out).any()):
+        raise ValueError(f"{name} contains NaN")
+    return out
+
+
+def as_index(x, name: str, *, ndim: int | None = None) -> torch.Tensor:
+    """An integer tensor of any integer dtype/device as an int64 CPU tensor (never mutated)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got dtype {x.dtype}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    return x.to(device=CPU, dtype=torch.int64)
+
+
+def as_int(x, name: str, *, minimum: int | None = None) -> int:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    x = int(x)
+    if minimum is not None and x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return x
+
+
+def as_real(x, name: str, *, positive: bool = False, finite: bool = True) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
+    x = float(x)
+    if math.isnan(x) or (finite and math.isinf(x)):
+        raise ValueError(f"{name} must be finite, got {x}")
+    if positive and not x > 0:
+        raise ValueError(f"{name} must be > 0, got {x}")
+    return x
+
+
+def check_dim(x: torch.Tensor, name: str, axis: int, size: int, what: str) -> None:
+    if x.shape[axis] != size:
+        raise ValueError(
+            f"{name} has size {x.shape[axis]} in dimension {axis}, expected {size} ({what}); "
+            f"shape {tuple(x.shape)}"
+        )
+
+
+def choice(x, name: str, allowed: tuple[str, ...]) -> str:
+    if not isinstance(x, str):
+        raise TypeError(f"{name} must be a str, got {type(x).__name__}")
+    if x not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {x!r}")
+    return x
+
+
+def chunk_rows(rows_per_chunk: int | None, per_row_bytes: int, budget_bytes: int = 1 << 28) -> int:
+    """Rows per chunk: given explicitly, or as many as fit a fixed memory budget (256 MiB)."""
+    if rows_per_chunk is not None:
+        return as_int(rows_per_chunk, "chunk_rows", minimum=1)
+    return max(1, budget_bytes // max(1, per_row_bytes))

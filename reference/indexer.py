@@ -1,0 +1,56 @@
+"""Lightning indexer scores (contract section 7)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import as_float64, as_int, as_real, check_dim
+from ._checks import chunk_rows as rows_per_chunk
+from .layout import PackedLayout
+
+__all__ = ["indexer_scores"]
+
+
+def indexer_scores(q_idx, k_idx, weights, layout, ratio, *, scale=None, chunk_rows=None):
+    """Section 7: ``I[t,c] = scale * sum_h w[t,h] * relu(<q_idx[t,h], k_idx[c]>)`` if ``c`` is
+    visible to ``t`` (section 3), ``-inf`` otherwise. Returns float64 ``[T, C]``.
+
+    Work is per document (a real row only ever sees its own document's groups) and per row:
+    each row's scores come from a batched product whose batch element is that row, so a row's
+    bits never depend on which other rows are evaluated with it (CP invariance, section 10).
+    """
+    if not isinstance(layout, PackedLayout):
+        raise TypeError(f"layout must be a PackedLayout, got {type(layout).__name__}")
+    ratio = as_int(ratio, "ratio", minimum=1)
+    q = as_float64(q_idx, "q_idx", ndim=3)
+    k = as_float64(k_idx, "k_idx", ndim=2)
+    w = as_float64(weights, "weights", ndim=2)
+    T, HI, DI = q.shape
+    check_dim(q, "q_idx", 0, layout.num_rows, "layout.num_rows")
+    check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
+    C = layout.num_compressed(ratio)
+    check_dim(k, "k_idx", 0, C, f"compressed groups of the layout at ratio {ratio}")
+    check_dim(w, "weights", 0, T, "rows T")
+    check_dim(w, "weights", 1, HI, "indexer heads H_I")
+    scale = DI ** -0.5 if scale is None else as_real(scale, "scale")
+    out = torch.full((T, C), -math.inf, dtype=torch.float64)
+    cu_pad = layout.cu_seqlens_padded
+    cu_comp = layout.compressed_offsets(ratio)
+    vis = layout.visible_compressed(ratio)
+    for b in range(layout.num_docs):
+        r0, real = int(cu_pad[b]), int(layout.doc_lengths[b])
+        c0, c1 = int(cu_comp[b]), int(cu_comp[b + 1])
+        if real == 0 or c1 == c0:
+            continue
+        kb = k[c0:c1]                                   # [n_b, D_I]
+        step = rows_per_chunk(chunk_rows, HI * (c1 - c0) * 8 * 3)
+        for s0 in range(r0, r0 + real, step):
+            s1 = min(s0 + step, r0 + real)
+            n = s1 - s0
+            z = torch.bmm(q[s0:s1], kb.t().unsqueeze(0).expand(n, DI, c1 - c0))  # [n, H_I, n_b]
+            sc = scale * torch.bmm(w[s0:s1].unsqueeze(1), torch.relu(z)).squeeze(1)  # [n, n_b]
+            cols = torch.arange(c1 - c0).unsqueeze(0)
+            visible = cols < vis[s0:s1].unsqueeze(1)
+            out[s0:s1, c0:c1] = torch.where(visible, sc, torch.full_like(sc, -math.inf))
+    return out

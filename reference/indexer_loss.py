@@ -1,0 +1,198 @@
+"""Sparse indexer KL loss and its gradients (contract section 8)."""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from ._checks import as_float64, as_index, as_int, as_real, check_dim, choice
+from ._checks import chunk_rows as rows_per_chunk
+from ._reduce import fold_rows_into, ordered_sum
+from .layout import PackedLayout
+
+__all__ = ["IndexerLoss", "sparse_indexer_loss", "sparse_indexer_loss_grad"]
+
+INF = math.inf
+FLT_MIN = 2.0 ** -126
+
+
+class IndexerLoss(NamedTuple):
+    """Result of :func:`sparse_indexer_loss` (all float64 CPU tensors)."""
+
+    loss: torch.Tensor      # 0-dim: coeff * sum_t KL[t] / N
+    kl: torch.Tensor        # [T]: per-row KL (0 on padding rows and rows with no selection)
+    target: torch.Tensor    # [T, Kc]: teacher tau on valid slots, 0 elsewhere
+    predict: torch.Tensor   # [T, Kc]: student p on valid slots, 0 elsewhere
+    num_real: int           # N used for the normalisation
+
+
+def _slot_mask(ids: torch.Tensor, num: int) -> torch.Tensor:
+    return (ids >= 0) & (ids < num)
+
+
+def _masked_softmax(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim restricted to ``mask``; 0 off the mask and on rows whose masked
+    entries are all ``-inf``."""
+    x = x.masked_fill(~mask, -INF)
+    m = x.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()
+    e = torch.exp(x - m)
+    z = e.sum(dim=-1, keepdim=True)
+    return e / torch.where(z > 0, z, torch.ones_like(z))
+
+
+def _kl(tau, p, mask, floor):
+    a = torch.clamp_min(tau, floor)
+    terms = a * (torch.log(a) - torch.log(torch.clamp_min(p, floor)))
+    return torch.where(mask, terms, torch.zeros_like(terms)).sum(dim=-1)
+
+
+def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, *, coeff,
+                        scale=None, num_real=None, loss_floor=FLT_MIN, chunk_rows=None):
+    """Section 8: the sparse indexer KL loss.
+
+    ``q [T,H,D]`` and ``lse [T,H]`` (KV-only, natural log, from the attention forward over all
+    of a row's keys), ``kv_cmp [C,D]`` compressed keys, ``sink [H]``, ``compressed_ids [T,Kc]``
+    indexing ``kv_cmp`` and the columns of ``index_scores [T,C]`` (negative or ``>= C`` =
+    invalid slot). The teacher is computed in log space,
+    ``log tau[c] = LSE_h(s[h,c] - LSEf[h]) - LSE_{h,c'}(s[h,c'] - LSEf[h])``, so that it
+    never underflows; a row whose teacher mass is exactly zero (``LSEf = +inf``, e.g. a
+    ``+inf`` sink) counts like a row with no selection. Padding rows count 0; ``N`` defaults
+    to ``layout.num_real``. The row sum is a left fold in row order.
+    """
+    if not isinstance(layout, PackedLayout):
+        raise TypeError(f"layout must be a PackedLayout, got {type(layout).__name__}")
+    q = as_float64(q, "q", ndim=3)
+    kc = as_float64(kv_cmp, "kv_cmp", ndim=2)
+    sink = as_float64(sink, "sink", ndim=1, allow_nan=False)
+    lse = as_float64(lse, "lse", ndim=2, allow_nan=False)
+    ids = as_index(compressed_ids, "compressed_ids", ndim=2)
+    scores = as_float64(index_scores, "index_scores", ndim=2, allow_nan=False)
+    T, H, D = q.shape
+    C, Kc = kc.shape[0], ids.shape[1]
+    check_dim(q, "q", 0, layout.num_rows, "layout.num_rows")
+    check_dim(kc, "kv_cmp", 1, D, "q head dim D")
+    check_dim(sink, "sink", 0, H, "q heads H")
+    check_dim(lse, "lse", 0, T, "rows T")
+    check_dim(lse, "lse", 1, H, "heads H")
+    check_dim(ids, "compressed_ids", 0, T, "rows T")
+    check_dim(scores, "index_scores", 0, T, "rows T")
+    check_dim(scores, "index_scores", 1, C, "compressed keys C (rows of kv_cmp)")
+    coeff = as_real(coeff, "coeff")
+    scale = D ** -0.5 if scale is None else as_real(scale, "scale")
+    floor = as_real(loss_floor, "loss_floor", positive=True)
+    n_real = layout.num_real if num_real is None else as_int(num_real, "num_real", minimum=1)
+    if n_real < 1:
+        raise ValueError("num_real: the layout has no real tokens; N must be >= 1")
+
+    valid = _slot_mask(ids, C) & layout.is_real.unsqueeze(1)
+    safe = torch.where(valid, ids, torch.zeros_like(ids))
+    full = torch.logaddexp(lse, sink.unsqueeze(0))                       # LSEf [T, H]
+    target = torch.zeros((T, Kc), dtype=torch.float64)
+    predict = torch.zeros((T, Kc), dtype=torch.float64)
+    kl = torch.zeros(T, dtype=torch.float64)
+    step = rows_per_chunk(chunk_rows, 8 * Kc * (D + 3 * H))
+    for r0 in range(0, T, step):
+        r1 = min(r0 + step, T)
+        n = r1 - r0
+        v = valid[r0:r1]
+        f = full[r0:r1]
+        massive = v & torch.isfinite(f).all(dim=1, keepdim=True)       # rows with teacher mass
+        kg = kc.index_select(0, safe[r0:r1].reshape(-1)).view(n, Kc, D)
+        log_a = scale * torch.bmm(q[r0:r1], kg.transpose(1, 2)) - f.unsqueeze(-1)  # [n,H,Kc]
+        log_a = log_a.masked_fill(~massive.unsqueeze(1), -INF)
+        per_c = torch.logsumexp(log_a, dim=1)                              # [n, Kc]
+        norm = torch.logsumexp(per_c, dim=1, keepdim=True)
+        norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
+        tau = torch.where(massive, torch.exp(per_c - norm), torch.zeros_like(per_c))
+        p = _masked_softmax(torch.gather(scores[r0:r1], 1, safe[r0:r1]), massive)
+        target[r0:r1] = tau
+        predict[r0:r1] = p
+        kl[r0:r1] = _kl(tau, p, massive, floor)
+    loss = coeff * ordered_sum(kl) / n_real
+    return IndexerLoss(loss, kl, target, predict, n_real)
+
+
+def _indexer_logits(q, k, w, ids, valid, scale):
+    """Per-slot indexer logits and pre-activations: ``z [T,H_I,Kc]``, ``I [T,Kc]`` (0 on invalid)."""
+    T, HI, DI = q.shape
+    Kc = ids.shape[1]
+    safe = torch.where(valid, ids, torch.zeros_like(ids))
+    kg = k.index_select(0, safe.reshape(-1)).view(T, Kc, DI)
+    z = torch.bmm(q, kg.transpose(1, 2))
+    logits = scale * torch.bmm(w.unsqueeze(1), torch.relu(z)).squeeze(1)
+    return z, kg, logits
+
+
+def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, predict, *, coeff,
+                             num_real, grad_loss=1.0, scale=None, grad_floor=math.exp(-100),
+                             mode="clipped", loss_floor=FLT_MIN, chunk_rows=None):
+    """Section 8: gradients of the indexer loss wrt ``q_idx [T,H_I,D_I]``, ``weights [T,H_I]``
+    and ``k_idx [C,D_I]``. Returns float64 ``(dq_idx, dw, dk_idx)``.
+
+    ``mode="clipped"`` (the cuDNN kernels' form): with ``gs = coeff/N * grad_loss``,
+    ``tau~ = max(tau, e)``, ``m_c = 1[p_c >= e]``,
+    ``gI = gs * (p * sum_c' tau~_c' m_c' - tau~ * m)`` on valid slots, from the given ``target``
+    and ``predict``. ``mode="autograd"``: the exact derivative of the loss of
+    :func:`sparse_indexer_loss` (floor ``loss_floor``), by torch autograd through the indexer
+    logits recomputed from ``q_idx``, ``k_idx`` and ``weights`` (``predict`` is not used).
+    Both chain through the indexer with the strict gate ``z > 0``; ``dk_idx`` is a left fold in
+    (row, slot) order.
+    """
+    q = as_float64(q_idx, "q_idx", ndim=3)
+    k = as_float64(k_idx, "k_idx", ndim=2)
+    w = as_float64(weights, "weights", ndim=2)
+    ids = as_index(compressed_ids, "compressed_ids", ndim=2)
+    tau = as_float64(target, "target", ndim=2, allow_nan=False)
+    p_in = as_float64(predict, "predict", ndim=2, allow_nan=False)
+    T, HI, DI = q.shape
+    C, Kc = k.shape[0], ids.shape[1]
+    check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
+    check_dim(w, "weights", 0, T, "rows T")
+    check_dim(w, "weights", 1, HI, "indexer heads H_I")
+    check_dim(ids, "compressed_ids", 0, T, "rows T")
+    for name, t in (("target", tau), ("predict", p_in)):
+        if tuple(t.shape) != (T, Kc):
+            raise ValueError(f"{name} must have shape {(T, Kc)} like compressed_ids, got {tuple(t.shape)}")
+    coeff = as_real(coeff, "coeff")
+    n_real = as_int(num_real, "num_real", minimum=1)
+    grad_loss = as_real(grad_loss, "grad_loss")
+    scale = DI ** -0.5 if scale is None else as_real(scale, "scale")
+    e = as_real(grad_floor, "grad_floor", positive=True)
+    floor = as_real(loss_floor, "loss_floor", positive=True)
+    mode = choice(mode, "mode", ("clipped", "autograd"))
+    valid = _slot_mask(ids, C)
+    gs = coeff / n_real * grad_loss
+
+    if mode == "autograd":
+        with torch.enable_grad():
+            qa, wa, ka = (x.detach().requires_grad_(True) for x in (q, w, k))
+            _, _, logits = _indexer_logits(qa, ka, wa, ids, valid, scale)
+            p = _masked_softmax(logits, valid)
+            loss = coeff * _kl(tau, p, valid, floor).sum() / n_real * grad_loss
+            dq, dw, dk = torch.autograd.grad(loss, (qa, wa, ka), allow_unused=True)
+        return dq, dw, dk
+
+    tt = torch.clamp_min(tau, e)
+    m = valid & (p_in >= e)
+    tm = torch.where(m, tt, torch.zeros_like(tt))
+    g = gs * (p_in * tm.sum(dim=1, keepdim=True) - tm)
+    g = torch.where(valid, g, torch.zeros_like(g))                        # gI [T, Kc]
+    dq = torch.zeros_like(q)
+    dw = torch.zeros_like(w)
+    dk = torch.zeros_like(k)
+    step = rows_per_chunk(chunk_rows, 8 * Kc * (3 * DI + 3 * HI))
+    for r0 in range(0, T, step):
+        r1 = min(r0 + step, T)
+        n = r1 - r0
+        v = valid[r0:r1]
+        z, kg, _ = _indexer_logits(q[r0:r1], k, w[r0:r1], ids[r0:r1], v, scale)
+        gc = g[r0:r1]
+        dw[r0:r1] = scale * torch.bmm(torch.relu(z), gc.unsqueeze(-1)).squeeze(-1)
+        gate = (z > 0).to(torch.float64) * (scale * w[r0:r1]).unsqueeze(-1) * gc.unsqueeze(1)
+        dq[r0:r1] = torch.bmm(gate, kg)                                   # [n, H_I, D_I]
+        contrib = torch.bmm(gate.transpose(1, 2), q[r0:r1])               # [n, Kc, D_I]
+        flat = v.reshape(-1)
+        fold_rows_into(dk, ids[r0:r1].reshape(-1)[flat], contrib.reshape(n * Kc, DI)[flat])
+    return dq, dw, dk

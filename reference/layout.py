@@ -1,0 +1,125 @@
+"""Packed THD layout and compressed groups (contract sections 1 and 2)."""
+from __future__ import annotations
+
+import torch
+
+from ._checks import as_index, as_int
+
+__all__ = ["PackedLayout"]
+
+
+def _cumulative(x, name: str) -> torch.Tensor:
+    if isinstance(x, (list, tuple)):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in x):
+            raise TypeError(f"{name} must hold ints")
+        x = torch.tensor(list(x), dtype=torch.int64)
+    t = as_index(x, name, ndim=1)
+    if t.numel() < 1:
+        raise ValueError(f"{name} must have at least one entry (B+1 >= 1)")
+    if int(t[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(t[0])}")
+    if bool((t[1:] < t[:-1]).any()):
+        raise ValueError(f"{name} must be non-decreasing, got {t.tolist()}")
+    return t.clone()
+
+
+class PackedLayout:
+    """Rows of a packed THD micro-batch (contract section 1).
+
+    ``cu_seqlens`` holds the cumulative *real* lengths, ``cu_seqlens_padded`` the cumulative
+    physical lengths (default: no padding), ``num_rows`` the declared total ``T`` (default
+    ``cu_seqlens_padded[-1]``; rows past it are capacity rows). Per-row tensors:
+
+    - ``doc[t]``: the document of row ``t``, -1 for capacity rows;
+    - ``pos[t]``: the document position ``t - cu_seqlens_padded[doc]`` (-1 for capacity rows);
+    - ``is_real[t]``: ``pos < L_doc``.
+
+    The layout is immutable: its tensors are private copies and must not be written to.
+    """
+
+    def __init__(self, cu_seqlens, cu_seqlens_padded=None, num_rows=None):
+        cu = _cumulative(cu_seqlens, "cu_seqlens")
+        cu_pad = cu.clone() if cu_seqlens_padded is None else _cumulative(
+            cu_seqlens_padded, "cu_seqlens_padded")
+        if cu_pad.numel() != cu.numel():
+            raise ValueError(
+                f"cu_seqlens_padded has {cu_pad.numel()} entries, cu_seqlens has {cu.numel()}; "
+                "they must have the same length B+1")
+        real = cu[1:] - cu[:-1]
+        padded = cu_pad[1:] - cu_pad[:-1]
+        bad = torch.nonzero(real > padded).flatten()
+        if bad.numel():
+            b = int(bad[0])
+            raise ValueError(
+                f"cu_seqlens_padded: document {b} has {int(real[b])} real tokens but only "
+                f"{int(padded[b])} padded rows")
+        total = int(cu_pad[-1])
+        if num_rows is None:
+            num_rows = total
+        num_rows = as_int(num_rows, "num_rows", minimum=0)
+        if num_rows < total:
+            raise ValueError(f"num_rows={num_rows} is smaller than cu_seqlens_padded[-1]={total}")
+        self.cu_seqlens = cu
+        self.cu_seqlens_padded = cu_pad
+        self.num_rows = num_rows
+        self.doc_lengths = real
+        self.doc_padded_lengths = padded
+        rows = torch.arange(num_rows, dtype=torch.int64)
+        # doc[t] = b with cu_pad[b] <= t < cu_pad[b+1]; right-bisection skips empty documents.
+        doc = torch.searchsorted(cu_pad, rows, right=True) - 1
+        capacity = rows >= total
+        doc = torch.where(capacity, torch.full_like(doc, -1), doc)
+        safe_doc = doc.clamp_min(0)
+        pos = torch.where(capacity, torch.full_like(rows, -1), rows - cu_pad[safe_doc])
+        self.doc = doc
+        self.pos = pos
+        self.is_real = (~capacity) & (pos < real[safe_doc] if real.numel() else capacity)
+
+    # -- sizes -------------------------------------------------------------------------------
+    @property
+    def num_docs(self) -> int:
+        return int(self.cu_seqlens.numel() - 1)
+
+    @property
+    def num_real(self) -> int:
+        """N of contract section 8: total real tokens, ``cu_seqlens[-1]``."""
+        return int(self.cu_seqlens[-1])
+
+    # -- compressed groups (section 2) -------------------------------------------------------
+    def compressed_counts(self, ratio: int) -> torch.Tensor:
+        """``n_b = P_b // ratio`` complete groups per document."""
+        ratio = as_int(ratio, "ratio", minimum=1)
+        return self.doc_padded_lengths // ratio
+
+    def compressed_offsets(self, ratio: int) -> torch.Tensor:
+        """``cu_comp``: prefix sums of ``n_b`` (length B+1); group ``(b, g)`` has id ``cu_comp[b]+g``."""
+        n = self.compressed_counts(ratio)
+        return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(n, 0)])
+
+    def num_compressed(self, ratio: int) -> int:
+        return int(self.compressed_offsets(ratio)[-1])
+
+    def visible_compressed(self, ratio: int) -> torch.Tensor:
+        """Per row, the number of visible groups ``min((p+1)//ratio, n_b)`` (0 for non-real rows)."""
+        n = self.compressed_counts(ratio)
+        safe_doc = self.doc.clamp_min(0)
+        vis = torch.minimum((self.pos + 1) // ratio, n[safe_doc] if n.numel() else self.pos * 0)
+        return torch.where(self.is_real, vis, torch.zeros_like(vis))
+
+    def doc_start(self) -> torch.Tensor:
+        """Per row, the first physical row of its document (the row itself for capacity rows)."""
+        return torch.where(self.doc >= 0, torch.arange(self.num_rows) - self.pos,
+                           torch.arange(self.num_rows))
+
+    def __repr__(self) -> str:
+        return (f"PackedLayout(cu_seqlens={self.cu_seqlens.tolist()}, "
+                f"cu_seqlens_padded={self.cu_seqlens_padded.tolist()}, num_rows={self.num_rows})")
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, PackedLayout) and self.num_rows == other.num_rows
+                and torch.equal(self.cu_seqlens, other.cu_seqlens)
+                and torch.equal(self.cu_seqlens_padded, other.cu_seqlens_padded))
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.cu_seqlens.tolist()), tuple(self.cu_seqlens_padded.tolist()),
+                     self.num_rows))
