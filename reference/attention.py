@@ -85,6 +85,7 @@ def sparse_attention_forward(q, kv, ids, sink, *, scale=None, v_dim=None, length
         n = r1 - r0
         v = valid[r0:r1]
         kg = kv.index_select(0, safe[r0:r1].reshape(-1)).view(n, K, D)
+        kg = kg.masked_fill(~v.unsqueeze(-1), 0.0)  # unselected rows (even NaN) never leak
         s = _scores(q[r0:r1], kg, v, scale)
         m = s.amax(dim=-1, keepdim=True) if K else torch.full((n, H, 1), -INF, dtype=s.dtype)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()
@@ -129,6 +130,7 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
         n = r1 - r0
         v = valid[r0:r1]
         kg = kv.index_select(0, safe[r0:r1].reshape(-1)).view(n, K, D)
+        kg = kg.masked_fill(~v.unsqueeze(-1), 0.0)  # unselected rows (even NaN) never leak
         l = lse[r0:r1]
         empty = (torch.isinf(l) & (l > 0)) | ~v.any(dim=1, keepdim=True)
         s = _scores(q[r0:r1], kg, v, scale)

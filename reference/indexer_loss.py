@@ -100,6 +100,7 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
         f = full[r0:r1]
         massive = v & torch.isfinite(f).all(dim=1, keepdim=True)       # rows with teacher mass
         kg = kc.index_select(0, safe[r0:r1].reshape(-1)).view(n, Kc, D)
+        kg = kg.masked_fill(~v.unsqueeze(-1), 0.0)  # unselected rows (even NaN) never leak
         log_a = scale * torch.bmm(q[r0:r1], kg.transpose(1, 2)) - f.unsqueeze(-1)  # [n,H,Kc]
         log_a = log_a.masked_fill(~massive.unsqueeze(1), -INF)
         per_c = torch.logsumexp(log_a, dim=1)                              # [n, Kc]
@@ -120,6 +121,7 @@ def _indexer_logits(q, k, w, ids, valid, scale):
     Kc = ids.shape[1]
     safe = torch.where(valid, ids, torch.zeros_like(ids))
     kg = k.index_select(0, safe.reshape(-1)).view(T, Kc, DI)
+    kg = kg.masked_fill(~valid.unsqueeze(-1), 0.0)  # unselected rows (even NaN) never leak
     z = torch.bmm(q, kg.transpose(1, 2))
     logits = scale * torch.bmm(w.unsqueeze(1), torch.relu(z)).squeeze(1)
     return z, kg, logits
