@@ -1,0 +1,644 @@
+"""The portable ``torch`` backend: the whole contract in working precision on any device.
+
+Same op-level functions as the oracle (:mod:`reference`), same argument names, plus a keyword
+``deterministic: bool = True``. Inputs stay on their device (CPU or CUDA); outputs come back on
+it. Precision policy (contract section 12, "working precision"):
+
+- q / kv / indexer inputs are used in their own dtype (normally bf16); every product of two
+  such operands is exact in float32 and every sum is accumulated in float32 (on CUDA through
+  ``bmm(..., out_dtype=float32)`` on bf16/fp16 tensor cores; elsewhere by converting the
+  operands to float32 first, which gives the same products);
+- probabilities ``P``, ``dS`` and the indexer's gated gradient are rounded once to the operand
+  dtype before the GEMM that consumes them (as flash-attention kernels and cuDNN do);
+- statistics (``lse``, scores, the loss, ``kl``, target, predict, ``dsink``) are float32;
+- ``out`` and ``dq`` / ``dkv`` / ``dq_idx`` / ``dw`` / ``dk_idx`` are returned in the dtype of
+  the tensor they belong to (bf16 for bf16 inputs), rounded once from a float32 accumulator;
+- ids and lengths produced here are **int32** (the kernels' index type); ids and lengths given
+  to any function may be int32 or int64 and are never modified.
+
+Determinism: with ``deterministic=True`` (the default) every result is bitwise repeatable run
+to run on a given device: per-row quantities come from batched GEMMs and reductions of fixed
+shape, and the only cross-row scatter sums (``dkv`` and ``dk_idx``) go through
+:func:`fixed_order_scatter_add`: contributions are sorted by destination (stable, so in
+(row, slot) order) and summed by a pairwise tree of fixed shape; no atomics are involved.
+``deterministic=False`` uses ``index_add_`` instead (float atomics on CUDA: faster, not
+repeatable there; on the CPU ``index_add_`` is sequential). Every other quantity is computed
+the same way in both modes. No function changes global torch state; each runs under a local
+``torch.no_grad()`` with autocast disabled, so the grad mode of the caller does not change a
+single bit (contract section 11); use :mod:`gpu_impl.layer` for autograd.
+
+fp32 inputs on CUDA go through float32 GEMMs, which follow torch's TF32 setting
+(``torch.backends.cuda.matmul.allow_tf32``); bf16/fp16 inputs are not affected by it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import torch
+
+from reference.indexer_loss import IndexerLoss
+from reference.layout import PackedLayout
+
+from .checks import (as_bool, as_int, as_real, check_dim, choice, float_tensor, index_tensor,
+                     same_device)
+
+__all__ = [
+    "BACKEND_NAME", "IndexerLoss", "build_csa_indices", "fixed_order_scatter_add",
+    "indexer_scores", "q_rms_norm", "sparse_attention_backward", "sparse_attention_forward",
+    "sparse_indexer_loss", "sparse_indexer_loss_grad", "stable_topk",
+]
+
+BACKEND_NAME = "torch"
+INDEX_DTYPE = torch.int32          # dtype of the ids and lengths this backend produces
+F32 = torch.float32
+INF = math.inf
+FLT_MIN = 2.0 ** -126
+_CHUNK_BUDGET = {"cuda": 1 << 30, "cpu": 1 << 26}   # bytes of temporaries per row chunk
+
+
+# --------------------------------------------------------------------------------------------
+# plumbing
+# --------------------------------------------------------------------------------------------
+def _op(fn):
+    """Run ``fn`` without autograd and without autocast (local, restored on exit)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(torch.autocast("cpu", enabled=False))
+            if torch.cuda.is_available():
+                stack.enter_context(torch.autocast("cuda", enabled=False))
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def _rows_per_chunk(chunk_rows, per_row_bytes: int, device: torch.device) -> int:
+    if chunk_rows is not None:
+        return as_int(chunk_rows, "chunk_rows", minimum=1)
+    budget = _CHUNK_BUDGET.get(device.type, _CHUNK_BUDGET["cpu"])
+    return max(1, budget // max(1, per_row_bytes))
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched ``a @ b`` with exact products and float32 accumulation; float32 result."""
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(a, b, out_dtype=F32)
+    return torch.bmm(a.to(F32), b.to(F32))
+
+
+def _operand(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Round a float32 intermediate once to the operand dtype of ``like`` (no-op for fp32)."""
+    return x.to(like.dtype) if like.dtype in (torch.bfloat16, torch.float16) else x
+
+
+def _slots(ids: torch.Tensor, num_keys: int, lengths: torch.Tensor | None):
+    """Section 6 validity ``[n, K]`` and the ids with invalid slots replaced by 0 (int64)."""
+    ok = (ids >= 0) & (ids < num_keys)
+    if lengths is not None:
+        ok &= torch.arange(ids.shape[1], device=ids.device).unsqueeze(0) < lengths.unsqueeze(1)
+    safe = torch.where(ok, ids, torch.zeros_like(ids)).to(torch.int64)
+    return ok, safe
+
+
+def _gather_rows(table: torch.Tensor, safe: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``table[safe]`` as ``[n, K, D]`` with invalid slots exactly 0, so that a NaN or inf in a
+    row that no valid slot selects can never reach a result."""
+    n, k = safe.shape
+    g = table.index_select(0, safe.reshape(-1)).view(n, k, table.shape[1])
+    return g.masked_fill(~valid.unsqueeze(-1), 0)
+
+
+def fixed_order_scatter_add(acc: torch.Tensor, dest: torch.Tensor, values: torch.Tensor, *,
+                            deterministic: bool = True) -> None:
+    """``acc[dest[i]] += values[i]`` (in place on ``acc``, which the caller owns).
+
+    Deterministic mode: the contributions are sorted by destination with a stable sort (so
+    each destination's terms stay in index order ``i``), each destination's terms are summed
+    by a pairwise tree of fixed shape (``((v0+v1)+(v2+v3))+...``), and each destination then
+    receives exactly one addition: the bits depend only on the inputs, never on thread timing.
+    Otherwise ``index_add_`` (float atomics on CUDA).
+    """
+    if dest.numel() == 0:
+        return
+    dest = dest.to(torch.int64)
+    values = values.to(acc.dtype)
+    if not deterministic:
+        acc.index_add_(0, dest, values)
+        return
+    order = torch.argsort(dest, stable=True)
+    d = dest[order]
+    v = values[order]
+    uniq, counts = torch.unique_consecutive(d, return_counts=True)
+    n = d.numel()
+    seg = torch.repeat_interleave(torch.arange(uniq.numel(), device=d.device), counts,
+                                  output_size=n)
+    rank = torch.arange(n, device=d.device) - (torch.cumsum(counts, 0) - counts)[seg]
+    cnt = counts[seg]
+    levels = max(0, math.ceil(math.log2(int(counts.max())))) if n else 0
+    for _ in range(levels):
+        keep = torch.nonzero(rank % 2 == 0).squeeze(1)
+        pair = (rank[keep] + 1 < cnt[keep]).unsqueeze(1)
+        partner = v.index_select(0, (keep + 1).clamp(max=v.shape[0] - 1))
+        v = v.index_select(0, keep) + torch.where(pair, partner, torch.zeros_like(partner))
+        rank = rank[keep] // 2
+        cnt = (cnt[keep] + 1) // 2
+    acc.index_add_(0, uniq, v)   # one term per destination: exact, order-free
+
+
+def _layout_rows(layout: PackedLayout, device: torch.device):
+    return (layout.pos.to(device), layout.is_real.to(device), layout.doc.to(device))
+
+
+def _check_layout(layout) -> PackedLayout:
+    if not isinstance(layout, PackedLayout):
+        raise TypeError(f"layout must be a reference.PackedLayout, got {type(layout).__name__}")
+    return layout
+
+
+def _has_nan(x: torch.Tensor) -> bool:
+    return bool(torch.isnan(x).any())
+
+
+# --------------------------------------------------------------------------------------------
+# section 4: stable Top-K
+# --------------------------------------------------------------------------------------------
+@_op
+def stable_topk(scores, k, *, order: str = "id", align: int | None = None,
+                deterministic: bool = True):
+    """Contract section 4 on the scores' device. Candidates are the columns whose score is not
+    ``-inf``; selection order (score descending, column id ascending) with ``-0.0 == +0.0``
+    (zeros are canonicalised to ``+0.0`` first: a radix sort would rank ``+0`` above ``-0``).
+    Returns int32 ``(ids [T, width], lengths [T])``; unused slots are -1. A stable sort is
+    deterministic, so ``deterministic`` changes nothing here.
+    """
+    s = float_tensor(scores, "scores", ndim=2)
+    k = as_int(k, "k", minimum=0)
+    order = choice(order, "order", ("id", "score"))
+    as_bool(deterministic, "deterministic")
+    width = k
+    if align is not None:
+        align = as_int(align, "align", minimum=1)
+        width = -(-k // align) * align
+    if _has_nan(s):
+        bad = torch.nonzero(torch.isnan(s))[0].tolist()
+        raise ValueError(f"scores contains NaN (first at row {bad[0]}, column {bad[1]}); "
+                         "Top-K selection is undefined")
+    rows, cols = s.shape
+    dev = s.device
+    take = min(k, cols)
+    ids = torch.full((rows, width), -1, dtype=INDEX_DTYPE, device=dev)
+    lengths = torch.clamp((s > -INF).sum(dim=1), max=take).to(INDEX_DTYPE)
+    if take == 0 or rows == 0:
+        return ids, lengths
+    canon = s + 0.0                                   # -0.0 + 0.0 == +0.0
+    _, perm = torch.sort(canon, dim=1, descending=True, stable=True)
+    chosen = perm[:, :take]
+    used = torch.arange(take, device=dev).unsqueeze(0) < lengths.unsqueeze(1)
+    if order == "id":
+        chosen, _ = torch.sort(torch.where(used, chosen, torch.full_like(chosen, cols)), dim=1)
+    chosen = torch.where(used, chosen, torch.full_like(chosen, -1))
+    ids[:, :take] = chosen.to(INDEX_DTYPE)
+    return ids, lengths
+
+
+# --------------------------------------------------------------------------------------------
+# section 7: lightning indexer scores
+# --------------------------------------------------------------------------------------------
+@_op
+def indexer_scores(q_idx, k_idx, weights, layout, ratio, *, scale=None, chunk_rows=None,
+                   deterministic: bool = True):
+    """Contract section 7: ``I[t,c] = scale * sum_h w[t,h] relu(<q_idx[t,h], k_idx[c]>)`` on the
+    compressed groups visible to ``t``, ``-inf`` elsewhere; float32 ``[T, C]`` on the inputs'
+    device. Per document, rows in chunks: ``z`` is one float32-accumulated GEMM, the head sum
+    an elementwise float32 reduction (no TF32 involved for bf16 inputs).
+    """
+    _check_layout(layout)
+    ratio = as_int(ratio, "ratio", minimum=1)
+    q = float_tensor(q_idx, "q_idx", ndim=3)
+    k = float_tensor(k_idx, "k_idx", ndim=2)
+    w = float_tensor(weights, "weights", ndim=2)
+    as_bool(deterministic, "deterministic")
+    dev = same_device(q_idx=q, k_idx=k, weights=w)
+    T, HI, DI = q.shape
+    check_dim(q, "q_idx", 0, layout.num_rows, "layout.num_rows")
+    check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
+    C = layout.num_compressed(ratio)
+    check_dim(k, "k_idx", 0, C, f"compressed groups of the layout at ratio {ratio}")
+    check_dim(w, "weights", 0, T, "rows T")
+    check_dim(w, "weights", 1, HI, "indexer heads H_I")
+    scale = DI ** -0.5 if scale is None else as_real(scale, "scale")
+    out = torch.full((T, C), -INF, dtype=F32, device=dev)
+    cu_pad = layout.cu_seqlens_padded.tolist()
+    cu_comp = layout.compressed_offsets(ratio).tolist()
+    real = layout.doc_lengths.tolist()
+    vis = layout.visible_compressed(ratio).to(dev)
+    wf = w.to(F32) * scale
+    for b in range(layout.num_docs):
+        r0, c0, c1 = cu_pad[b], cu_comp[b], cu_comp[b + 1]
+        nb = c1 - c0
+        if real[b] == 0 or nb == 0:
+            continue
+        kbt = k[c0:c1].t().unsqueeze(0)                                  # [1, D_I, n_b]
+        step = _rows_per_chunk(chunk_rows, HI * nb * 4 * 3, dev)
+        for s0 in range(r0, r0 + real[b], step):
+            s1 = min(s0 + step, r0 + real[b])
+            n = s1 - s0
+            z = _mm(q[s0:s1], kbt.expand(n, DI, nb))                      # [n, H_I, n_b]
+            sc = (torch.relu(z) * wf[s0:s1].unsqueeze(-1)).sum(dim=1)     # [n, n_b]
+            cols = torch.arange(nb, device=dev).unsqueeze(0)
+            out[s0:s1, c0:c1] = torch.where(cols < vis[s0:s1].unsqueeze(1), sc,
+                                            torch.full_like(sc, -INF))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# sections 2, 3, 5: compressed-first rows
+# --------------------------------------------------------------------------------------------
+def _compact(ids: torch.Tensor):
+    """Stable compaction of section 5 (valid entries to the front, -1 after) by a scatter to
+    positions ``cumsum(valid) - 1``; each target is written once, so it is deterministic."""
+    T, K = ids.shape
+    valid = ids >= 0
+    lengths = valid.sum(dim=1)
+    pos = torch.cumsum(valid.to(torch.int64), dim=1) - 1
+    pos = torch.where(valid, pos, torch.full_like(pos, K))          # invalid -> a dump column
+    out = torch.full((T, K + 1), -1, dtype=ids.dtype, device=ids.device)
+    out.scatter_(1, pos, torch.where(valid, ids, torch.full_like(ids, -1)))
+    return out[:, :K].contiguous(), lengths
+
+
+@_op
+def build_csa_indices(layout, *, window, ratio, compressed_ids=None, device=None,
+                      deterministic: bool = True):
+    """Contract section 5: each real row's key ids ``[compressed part | window part]``,
+    compacted; int32 ``(ids [T, Kc + window], lengths [T])`` in the logical key space of
+    section 2 (raw row ``t`` is ``t``, compressed id ``c`` is ``T + c``).
+
+    Arguments as in the oracle; ``device`` (extension) says where to build the rows when no
+    ``compressed_ids`` tensor is given (default: the device of ``compressed_ids``, else CPU).
+    Each non-negative ``compressed_ids`` entry of a real row must be visible to it, else
+    ``ValueError``. ``compressed_ids`` is never modified.
+    """
+    _check_layout(layout)
+    window = as_int(window, "window", minimum=1)
+    ratio = as_int(ratio, "ratio", minimum=0)
+    as_bool(deterministic, "deterministic")
+    if compressed_ids is not None:
+        compressed_ids = index_tensor(compressed_ids, "compressed_ids", ndim=2)
+        check_dim(compressed_ids, "compressed_ids", 0, layout.num_rows, "layout.num_rows")
+        if ratio == 0:
+            raise ValueError("compressed_ids must be None for a window-only layer (ratio 0)")
+        if device is not None and torch.device(device) != compressed_ids.device:
+            raise ValueError(f"device={device} differs from compressed_ids' device "
+                             f"{compressed_ids.device}")
+        dev = compressed_ids.device
+    else:
+        dev = torch.device("cpu") if device is None else torch.device(device)
+    T = layout.num_rows
+    if T + layout.num_compressed(max(ratio, 1)) >= 2 ** 31:
+        raise ValueError("the logical key space T + C does not fit int32 ids")
+    pos, real, doc = _layout_rows(layout, dev)
+    rows = torch.arange(T, device=dev)
+    offs = torch.arange(window, device=dev).unsqueeze(0)
+    wpos = torch.clamp(pos - window + 1, min=0).unsqueeze(1) + offs
+    win_ok = (wpos <= pos.unsqueeze(1)) & real.unsqueeze(1)
+    win = torch.where(win_ok, (rows - pos).unsqueeze(1) + wpos, torch.full_like(wpos, -1))
+    if ratio == 0:
+        cmp = torch.empty((T, 0), dtype=torch.int64, device=dev)
+    else:
+        cu_comp = layout.compressed_offsets(ratio).to(dev)
+        vis = layout.visible_compressed(ratio).to(dev)
+        base = cu_comp[doc.clamp_min(0)] if layout.num_docs else rows * 0
+        if compressed_ids is None:
+            width = int(layout.compressed_counts(ratio).max()) if layout.num_docs else 0
+            g = torch.arange(width, device=dev).unsqueeze(0)
+            ok = (g < vis.unsqueeze(1)) & real.unsqueeze(1)
+            cmp = torch.where(ok, base.unsqueeze(1) + g, torch.full_like(g.expand(T, width), -1))
+        else:
+            given = compressed_ids.to(torch.int64)
+            sel = given >= 0
+            local = given - base.unsqueeze(1)
+            bad = sel & real.unsqueeze(1) & ((local < 0) | (local >= vis.unsqueeze(1)))
+            if bool(bad.any()):
+                t, j = torch.nonzero(bad)[0].tolist()
+                raise ValueError(
+                    f"compressed_ids[{t}, {j}] = {int(given[t, j])} is not a compressed group "
+                    f"visible to row {t} (visible ids {int(base[t])}..{int(base[t] + vis[t]) - 1})")
+            cmp = torch.where(sel & real.unsqueeze(1), given, torch.full_like(given, -1))
+        cmp = torch.where(cmp >= 0, cmp + T, cmp)
+    ids, lengths = _compact(torch.cat([cmp, win], dim=1))
+    return ids.to(INDEX_DTYPE), lengths.to(INDEX_DTYPE)
+
+
+# --------------------------------------------------------------------------------------------
+# section 6: sparse attention with a sink
+# --------------------------------------------------------------------------------------------
+def _attention_inputs(q, kv, ids, sink, scale, v_dim, lengths):
+    q = float_tensor(q, "q", ndim=3)
+    kv = float_tensor(kv, "kv", ndim=2)
+    ids = index_tensor(ids, "ids", ndim=2)
+    sink = float_tensor(sink, "sink", ndim=1)
+    if lengths is not None:
+        lengths = index_tensor(lengths, "lengths", ndim=1)
+    same_device(q=q, kv=kv, ids=ids, sink=sink, lengths=lengths)
+    T, H, D = q.shape
+    check_dim(kv, "kv", 1, D, "q head dim D")
+    check_dim(ids, "ids", 0, T, "q rows T")
+    check_dim(sink, "sink", 0, H, "q heads H")
+    if lengths is not None:
+        check_dim(lengths, "lengths", 0, T, "q rows T")
+    if q.dtype != kv.dtype:
+        raise TypeError(f"q ({q.dtype}) and kv ({kv.dtype}) must have the same dtype")
+    dv = D if v_dim is None else as_int(v_dim, "v_dim", minimum=1)
+    if dv > D:
+        raise ValueError(f"v_dim={dv} exceeds the head dim D={D}")
+    scale = D ** -0.5 if scale is None else as_real(scale, "scale")
+    return q, kv, ids, sink, scale, dv, lengths
+
+
+def _row_probabilities(s, lse, sink):
+    """``P = exp(s - logaddexp(lse, sink))`` (float32); rows with ``lse = +inf`` get 0."""
+    empty = torch.isinf(lse) & (lse > 0)
+    full = torch.logaddexp(torch.where(empty, torch.zeros_like(lse), lse), sink.unsqueeze(0))
+    p = torch.exp(s - full.unsqueeze(-1))
+    return p.masked_fill(empty.unsqueeze(-1), 0.0), empty
+
+
+@_op
+def sparse_attention_forward(q, kv, ids, sink, *, scale=None, v_dim=None, lengths=None,
+                             chunk_rows=None, deterministic: bool = True):
+    """Contract section 6 forward. Returns ``out [T, H, Dv]`` in q's dtype and float32
+    ``lse [T, H]`` (natural log, excluding the sink; ``+inf`` and ``out = 0`` on rows with no
+    valid slot). Gathers each row's ``K`` key rows (chunked), never a ``T x S`` mask.
+    """
+    q, kv, ids, sink, scale, dv, lengths = _attention_inputs(q, kv, ids, sink, scale, v_dim,
+                                                             lengths)
+    as_bool(deterministic, "deterministic")
+    if _has_nan(sink):
+        raise ValueError("sink contains NaN")
+    T, H, D = q.shape
+    S, K = kv.shape[0], ids.shape[1]
+    dev = q.device
+    sink32 = sink.to(F32)
+    out = torch.empty((T, H, dv), dtype=q.dtype, device=dev)
+    lse = torch.empty((T, H), dtype=F32, device=dev)
+    step = _rows_per_chunk(chunk_rows, K * (D * kv.element_size() * 2 + H * 4 * 4), dev)
+    for r0 in range(0, T, step):
+        r1 = min(r0 + step, T)
+        valid, safe = _slots(ids[r0:r1], S, None if lengths is None else lengths[r0:r1])
+        kg = _gather_rows(kv, safe, valid)                                    # [n, K, D]
+        s = (_mm(q[r0:r1], kg.transpose(1, 2)) * scale).masked_fill(~valid.unsqueeze(1), -INF)
+        has = valid.any(dim=1, keepdim=True)                                  # [n, 1]
+        m = s.amax(dim=-1) if K else torch.zeros((r1 - r0, H), dtype=F32, device=dev)
+        m = torch.where(has, m, torch.zeros_like(m))
+        tot = torch.exp(s - m.unsqueeze(-1)).sum(dim=-1)
+        l = torch.where(has, torch.log(tot) + m, torch.full_like(m, INF))
+        p, _ = _row_probabilities(s, l, sink32)
+        out[r0:r1] = _mm(_operand(p, kv), kg[:, :, :dv]).to(q.dtype)
+        lse[r0:r1] = l
+    return out, lse
+
+
+@_op
+def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v_dim=None,
+                              lengths=None, chunk_rows=None, deterministic: bool = True):
+    """Contract section 6 backward from the forward's ``out`` and ``lse``. Returns ``dq`` (q's
+    dtype), ``dkv`` (kv's dtype, accumulated in float32 and rounded once) and float32
+    ``dsink [H]``. Rows with no valid slot contribute nothing. ``dkv`` goes through
+    :func:`fixed_order_scatter_add` (``deterministic=False``: ``index_add_``).
+    """
+    q, kv, ids, sink, scale, dv, lengths = _attention_inputs(q, kv, ids, sink, scale, v_dim,
+                                                             lengths)
+    deterministic = as_bool(deterministic, "deterministic")
+    T, H, D = q.shape
+    S, K = kv.shape[0], ids.shape[1]
+    out = float_tensor(out, "out", ndim=3)
+    lse = float_tensor(lse, "lse", ndim=2)
+    dout = float_tensor(dout, "dout", ndim=3)
+    same_device(q=q, out=out, lse=lse, dout=dout)
+    for name, t, shape in (("out", out, (T, H, dv)), ("lse", lse, (T, H)),
+                           ("dout", dout, (T, H, dv))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if _has_nan(sink):
+        raise ValueError("sink contains NaN")
+    dev = q.device
+    sink32 = sink.to(F32)
+    dq = torch.empty_like(q)
+    dkv = torch.zeros((S, D), dtype=F32, device=dev)
+    dsink = torch.zeros(H, dtype=F32, device=dev)
+    step = _rows_per_chunk(chunk_rows, K * (D * 4 * 4 + H * 4 * 6), dev)
+    for r0 in range(0, T, step):
+        r1 = min(r0 + step, T)
+        n = r1 - r0
+        valid, safe = _slots(ids[r0:r1], S, None if lengths is None else lengths[r0:r1])
+        kg = _gather_rows(kv, safe, valid)
+        l = lse[r0:r1].to(F32)
+        s = (_mm(q[r0:r1], kg.transpose(1, 2)) * scale).masked_fill(~valid.unsqueeze(1), -INF)
+        p, empty = _row_probabilities(s, l, sink32)
+        empty = empty | ~valid.any(dim=1, keepdim=True)
+        p = p.masked_fill(empty.unsqueeze(-1), 0.0)
+        do = dout[r0:r1].to(q.dtype)
+        delta = (dout[r0:r1].to(F32) * out[r0:r1].to(F32)).sum(dim=-1)       # [n, H]
+        dp = _mm(do, kg[:, :, :dv].transpose(1, 2))                          # [n, H, K]
+        ds = _operand(p * (dp - delta.unsqueeze(-1)) * scale, kv)            # scale folded in
+        dq[r0:r1] = _mm(ds, kg).to(q.dtype)
+        contrib = _mm(ds.transpose(1, 2), q[r0:r1])                          # [n, K, D]
+        contrib[:, :, :dv] += _mm(_operand(p, kv).transpose(1, 2), do)
+        flat = valid.reshape(-1)
+        fixed_order_scatter_add(dkv, safe.reshape(-1)[flat], contrib.reshape(n * K, D)[flat],
+                                deterministic=deterministic)
+        p_sink = torch.sigmoid(sink32.unsqueeze(0) - l).masked_fill(empty, 0.0)
+        dsink += -(p_sink * delta).sum(dim=0)
+    return dq, dkv.to(kv.dtype), dsink
+
+
+# --------------------------------------------------------------------------------------------
+# section 8: sparse indexer loss
+# --------------------------------------------------------------------------------------------
+def _masked_softmax(x, mask):
+    x = x.masked_fill(~mask, -INF)
+    m = x.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(x - m)
+    z = e.sum(dim=-1, keepdim=True)
+    return e / torch.where(z > 0, z, torch.ones_like(z))
+
+
+def _kl(tau, p, mask, floor):
+    a = torch.clamp_min(tau, floor)
+    terms = a * (torch.log(a) - torch.log(torch.clamp_min(p, floor)))
+    return torch.where(mask, terms, torch.zeros_like(terms)).sum(dim=-1)
+
+
+@_op
+def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, *, coeff,
+                        scale=None, num_real=None, loss_floor=FLT_MIN, chunk_rows=None,
+                        deterministic: bool = True):
+    """Contract section 8 loss, float32, in the oracle's log-space form (the teacher never
+    underflows). Returns :class:`reference.IndexerLoss` with float32 ``loss`` (0-dim), ``kl``,
+    ``target`` and ``predict`` on the inputs' device; ``num_real`` defaults to
+    ``layout.num_real`` (pass the global count under CP).
+    """
+    _check_layout(layout)
+    q = float_tensor(q, "q", ndim=3)
+    kc = float_tensor(kv_cmp, "kv_cmp", ndim=2)
+    sink = float_tensor(sink, "sink", ndim=1)
+    lse = float_tensor(lse, "lse", ndim=2)
+    ids = index_tensor(compressed_ids, "compressed_ids", ndim=2)
+    scores = float_tensor(index_scores, "index_scores", ndim=2)
+    as_bool(deterministic, "deterministic")
+    dev = same_device(q=q, kv_cmp=kc, sink=sink, lse=lse, compressed_ids=ids,
+                      index_scores=scores)
+    T, H, D = q.shape
+    C, Kc = kc.shape[0], ids.shape[1]
+    check_dim(q, "q", 0, layout.num_rows, "layout.num_rows")
+    check_dim(kc, "kv_cmp", 1, D, "q head dim D")
+    check_dim(sink, "sink", 0, H, "q heads H")
+    check_dim(lse, "lse", 0, T, "rows T")
+    check_dim(lse, "lse", 1, H, "heads H")
+    check_dim(ids, "compressed_ids", 0, T, "rows T")
+    check_dim(scores, "index_scores", 0, T, "rows T")
+    check_dim(scores, "index_scores", 1, C, "compressed keys C (rows of kv_cmp)")
+    if q.dtype != kc.dtype:
+        raise TypeError(f"q ({q.dtype}) and kv_cmp ({kc.dtype}) must have the same dtype")
+    coeff = as_real(coeff, "coeff")
+    scale = D ** -0.5 if scale is None else as_real(scale, "scale")
+    floor = as_real(loss_floor, "loss_floor", positive=True)
+    n_real = layout.num_real if num_real is None else as_int(num_real, "num_real", minimum=1)
+    if n_real < 1:
+        raise ValueError("num_real: the layout has no real tokens; N must be >= 1")
+    for name, t in (("sink", sink), ("lse", lse), ("index_scores", scores)):
+        if _has_nan(t):
+            raise ValueError(f"{name} contains NaN")
+    _, real, _ = _layout_rows(layout, dev)
+    valid = (ids >= 0) & (ids < C) & real.unsqueeze(1)
+    safe = torch.where(valid, ids, torch.zeros_like(ids)).to(torch.int64)
+    full = torch.logaddexp(lse.to(F32), sink.to(F32).unsqueeze(0))                # LSEf [T, H]
+    target = torch.zeros((T, Kc), dtype=F32, device=dev)
+    predict = torch.zeros((T, Kc), dtype=F32, device=dev)
+    kl = torch.zeros(T, dtype=F32, device=dev)
+    step = _rows_per_chunk(chunk_rows, Kc * (D * kc.element_size() + H * 4 * 3), dev)
+    for r0 in range(0, T, step):
+        r1 = min(r0 + step, T)
+        v = valid[r0:r1]
+        f = full[r0:r1]
+        massive = v & torch.isfinite(f).all(dim=1, keepdim=True)
+        kg = _gather_rows(kc, safe[r0:r1], v)
+        log_a = _mm(q[r0:r1], kg.transpose(1, 2)) * scale - f.unsqueeze(-1)   # [n, H, Kc]
+        log_a = log_a.masked_fill(~massive.unsqueeze(1), -INF)
+        per_c = torch.logsumexp(log_a, dim=1)                                 # [n, Kc]
+        norm = torch.logsumexp(per_c, dim=1, keepdim=True)
+        norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
+        tau = torch.where(massive, torch.exp(per_c - norm), torch.zeros_like(per_c))
+        p = _masked_softmax(torch.gather(scores[r0:r1].to(F32), 1, safe[r0:r1]), massive)
+        target[r0:r1] = tau
+        predict[r0:r1] = p
+        kl[r0:r1] = _kl(tau, p, massive, floor)
+    loss = coeff * kl.sum() / n_real
+    return IndexerLoss(loss, kl, target, predict, n_real)
+
+
+@_op
+def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, predict, *, coeff,
+                             num_real, grad_loss=1.0, scale=None, grad_floor=math.exp(-100),
+                             mode="clipped", loss_floor=FLT_MIN, chunk_rows=None,
+                             deterministic: bool = True):
+    """Contract section 8 gradients wrt ``q_idx``, ``weights`` and ``k_idx`` (returned in their
+    own dtypes, accumulated in float32).
+
+    ``mode="clipped"``: ``gI = gs * (p * sum_c' tau~ m - tau~ m)`` from the given ``target`` and
+    ``predict`` (``tau~ = max(tau, grad_floor)``, ``m = 1[p >= grad_floor]``).
+    ``mode="autograd"``: the exact derivative of the loss with floor ``loss_floor``, which is
+    the same expression with ``p`` recomputed in float32 from the indexer logits and the floor
+    ``loss_floor`` (``d log max(p, f) / dp`` vanishes where ``p < f``); ``predict`` is unused.
+    Both chain through the indexer with the strict gate ``z > 0``; ``dk_idx`` goes through
+    :func:`fixed_order_scatter_add`.
+    """
+    q = float_tensor(q_idx, "q_idx", ndim=3)
+    k = float_tensor(k_idx, "k_idx", ndim=2)
+    w = float_tensor(weights, "weights", ndim=2)
+    ids = index_tensor(compressed_ids, "compressed_ids", ndim=2)
+    tau = float_tensor(target, "target", ndim=2)
+    p_in = float_tensor(predict, "predict", ndim=2)
+    deterministic = as_bool(deterministic, "deterministic")
+    dev = same_device(q_idx=q, k_idx=k, weights=w, compressed_ids=ids, target=tau,
+                      predict=p_in)
+    T, HI, DI = q.shape
+    C, Kc = k.shape[0], ids.shape[1]
+    check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
+    check_dim(w, "weights", 0, T, "rows T")
+    check_dim(w, "weights", 1, HI, "indexer heads H_I")
+    check_dim(ids, "compressed_ids", 0, T, "rows T")
+    for name, t in (("target", tau), ("predict", p_in)):
+        if tuple(t.shape) != (T, Kc):
+            raise ValueError(f"{name} must have shape {(T, Kc)} like compressed_ids, "
+                             f"got {tuple(t.shape)}")
+    if q.dtype != k.dtype:
+        raise TypeError(f"q_idx ({q.dtype}) and k_idx ({k.dtype}) must have the same dtype")
+    coeff = as_real(coeff, "coeff")
+    n_real = as_int(num_real, "num_real", minimum=1)
+    grad_loss = as_real(grad_loss, "grad_loss")
+    scale = DI ** -0.5 if scale is None else as_real(scale, "scale")
+    e = as_real(grad_floor, "grad_floor", positive=True)
+    floor = as_real(loss_floor, "loss_floor", positive=True)
+    mode = choice(mode, "mode", ("clipped", "autograd"))
+    for name, t in (("target", tau), ("predict", p_in)):
+        if _has_nan(t):
+            raise ValueError(f"{name} contains NaN")
+    valid = (ids >= 0) & (ids < C)
+    safe = torch.where(valid, ids, torch.zeros_like(ids)).to(torch.int64)
+    gs = coeff / n_real * grad_loss
+    wf = w.to(F32) * scale
+    dq = torch.empty_like(q)
+    dw = torch.empty_like(w)
+    dk = torch.zeros((C, DI), dtype=F32, device=dev)
+    step = _rows_per_chunk(chunk_rows, Kc * (DI * 4 * 3 + HI * 4 * 4), dev)
+    for r0 in range(0, T, step):
+        r1 = min(r0 + step, T)
+        n = r1 - r0
+        v = valid[r0:r1]
+        kg = _gather_rows(k, safe[r0:r1], v)                                  # [n, Kc, D_I]
+        z = _mm(q[r0:r1], kg.transpose(1, 2))                                 # [n, H_I, Kc]
+        t32 = tau[r0:r1].to(F32)
+        if mode == "autograd":
+            logits = (torch.relu(z) * wf[r0:r1].unsqueeze(-1)).sum(dim=1)
+            p, fl = _masked_softmax(logits, v), floor
+        else:
+            p, fl = p_in[r0:r1].to(F32), e
+        tm = torch.where(v & (p >= fl), torch.clamp_min(t32, fl), torch.zeros_like(t32))
+        g = gs * (p * tm.sum(dim=1, keepdim=True) - tm)
+        g = torch.where(v, g, torch.zeros_like(g))                            # gI [n, Kc]
+        dw[r0:r1] = (torch.relu(z) * g.unsqueeze(1)).sum(dim=-1).mul_(scale).to(w.dtype)
+        gate = _operand((z > 0).to(F32) * wf[r0:r1].unsqueeze(-1) * g.unsqueeze(1), k)
+        dq[r0:r1] = _mm(gate, kg).to(q.dtype)
+        contrib = _mm(gate.transpose(1, 2), q[r0:r1])                         # [n, Kc, D_I]
+        flat = v.reshape(-1)
+        fixed_order_scatter_add(dk, safe.reshape(-1)[flat], contrib.reshape(n * Kc, DI)[flat],
+                                deterministic=deterministic)
+    return dq, dw, dk.to(k.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# section 9: query RMS norm
+# --------------------------------------------------------------------------------------------
+@_op
+def q_rms_norm(q, eps: float = 1e-6, *, deterministic: bool = True):
+    """Contract section 9 in working precision: float32 compute from the input, one rounding to
+    the input dtype. Bit-identical to :func:`reference.q_rms_norm_bf16` for bf16 input on every
+    device and memory layout: the mean of squares is accumulated in float64 over a contiguous
+    copy and rounded once to float32, ``+ eps`` is a float32 add, ``rsqrt`` is evaluated in
+    float64 and rounded once (a correctly rounded float32 rsqrt), the product is float32.
+    """
+    x = float_tensor(q, "q")
+    if x.dim() < 1:
+        raise ValueError("q must have at least one dimension (the head dimension)")
+    eps = as_real(eps, "eps", positive=True)
+    as_bool(deterministic, "deterministic")
+    x32 = x.contiguous().to(F32)
+    ms = x32.to(torch.float64).square().mean(dim=-1, keepdim=True).to(F32)
+    denom = ms + torch.tensor(eps, dtype=F32, device=x.device)
+    inv = torch.rsqrt(denom.to(torch.float64)).to(F32)
+    return (x32 * inv).to(x.dtype)
