@@ -6,6 +6,8 @@ and names the contract section it implements.
 """
 from .attention import sparse_attention_backward, sparse_attention_forward
 from .cp import cp_partition
+from .cp_plan import (CPRankExpected, CPRankPartial, CPRankPlan, cp_halo_width, cp_plans,
+                      cp_rank_expected, cp_reduce_partials)
 from .indexer import indexer_scores
 from .indexer_loss import IndexerLoss, sparse_indexer_loss, sparse_indexer_loss_grad
 from .indices import build_csa_indices
@@ -17,10 +19,17 @@ ORACLE_VERSION = "0.1.0"
 
 __all__ = [
     "ORACLE_VERSION",
+    "CPRankExpected",
+    "CPRankPartial",
+    "CPRankPlan",
     "IndexerLoss",
     "PackedLayout",
     "build_csa_indices",
+    "cp_halo_width",
     "cp_partition",
+    "cp_plans",
+    "cp_rank_expected",
+    "cp_reduce_partials",
     "indexer_scores",
     "q_rms_norm",
     "q_rms_norm_bf16",
