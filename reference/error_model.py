@@ -50,8 +50,11 @@ __all__ = [
     "ORACLE_PRECISION",
     "attention_forward_bound",
     "attention_backward_bound",
-    # extended next: indexer_scores_bound, indexer_loss_bound, indexer_loss_grad_bound,
-    # q_rms_norm_bound
+    "indexer_scores_bound",
+    "IndexerLossBound",
+    "indexer_loss_bound",
+    "indexer_loss_grad_bound",
+    "q_rms_norm_bound",
 ]
 
 F64 = torch.float64
@@ -307,3 +310,324 @@ def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *
     b_dkv = err_kv + u.a * n_kv * mag_kv + u.o * dkv.abs() + u.eo
     b_dsink = err_sink + u.a * n_sink * mag_sink + u.s * dsink.abs() + u.es
     return b_dq, b_dkv, b_dsink
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 7: lightning indexer scores
+# ---------------------------------------------------------------------------------------------
+
+def indexer_scores_bound(q_idx, k_idx, weights, layout, ratio, scores, *, precision, scale=None,
+                         chunk_rows=None):
+    """Section 12 bound for the section 7 scores ``I [T, C]`` (``scores`` = the oracle's
+    :func:`indexer_scores` on the same inputs).
+
+    With ``z_h = <q_h, k_c>``, ``zeta_h = |q_h|.|k_c|``:
+    ``bound = |scale| sum_h |w_h| (u_a D_I zeta_h + (u_a + u_o) relu(z_h))
+    + u_a H_I |scale| sum_h |w_h| relu(z_h) + (u_a + u_s) |I| + eta_s`` on visible entries
+    (``relu(z)`` may be rounded to ``io`` as a tensor-core operand of the head reduction);
+    0 on invisible entries, which must be exactly ``-inf``.
+    """
+    u = _units(precision)
+    if not isinstance(layout, PackedLayout):
+        raise TypeError(f"layout must be a PackedLayout, got {type(layout).__name__}")
+    ratio = as_int(ratio, "ratio", minimum=1)
+    q = as_float64(q_idx, "q_idx", ndim=3)
+    k = as_float64(k_idx, "k_idx", ndim=2)
+    w = as_float64(weights, "weights", ndim=2)
+    T, HI, DI = q.shape
+    check_dim(q, "q_idx", 0, layout.num_rows, "layout.num_rows")
+    check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
+    C = layout.num_compressed(ratio)
+    check_dim(k, "k_idx", 0, C, f"compressed groups of the layout at ratio {ratio}")
+    check_dim(w, "weights", 0, T, "rows T")
+    check_dim(w, "weights", 1, HI, "indexer heads H_I")
+    scores = as_float64(scores, "scores", ndim=2)
+    _same_shape(scores, "scores", (T, C))
+    scale = DI ** -0.5 if scale is None else as_real(scale, "scale")
+    sc = abs(scale)
+    bound = torch.zeros((T, C), dtype=F64)
+    cu_pad = layout.cu_seqlens_padded
+    cu_comp = layout.compressed_offsets(ratio)
+    vis = layout.visible_compressed(ratio)
+    for b in range(layout.num_docs):
+        r0, real = int(cu_pad[b]), int(layout.doc_lengths[b])
+        c0, c1 = int(cu_comp[b]), int(cu_comp[b + 1])
+        if real == 0 or c1 == c0:
+            continue
+        kb = k[c0:c1].t()
+        step = rows_per_chunk(chunk_rows, HI * (c1 - c0) * 8 * 4)
+        for s0 in range(r0, r0 + real, step):
+            s1 = min(s0 + step, r0 + real)
+            z = torch.matmul(q[s0:s1], kb)                                 # [n, H_I, n_b]
+            zeta = torch.matmul(q[s0:s1].abs(), kb.abs())
+            wa = w[s0:s1].abs().unsqueeze(1)                               # [n, 1, H_I]
+            relu = torch.relu(z)
+            per = torch.bmm(wa, u.a * DI * zeta + (u.a + u.o) * relu).squeeze(1)
+            mag = torch.bmm(wa, relu).squeeze(1)
+            bd = sc * per + u.a * HI * sc * mag + (u.a + u.s) * scores[s0:s1, c0:c1].abs() + u.es
+            cols = torch.arange(c1 - c0).unsqueeze(0)
+            visible = cols < vis[s0:s1].unsqueeze(1)
+            bound[s0:s1, c0:c1] = torch.where(visible, bd, torch.zeros_like(bd))
+    return bound
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 8: sparse indexer loss and its gradients
+# ---------------------------------------------------------------------------------------------
+
+class IndexerLossBound(NamedTuple):
+    """Bounds for the fields of :class:`reference.IndexerLoss` (float64, same shapes)."""
+
+    loss: torch.Tensor      # 0-dim
+    kl: torch.Tensor        # [T]
+    target: torch.Tensor    # [T, Kc]
+    predict: torch.Tensor   # [T, Kc]
+
+
+def _softmax_rel(logits: torch.Tensor, mask: torch.Tensor, u: _Units) -> torch.Tensor:
+    """Relative error of ``p = softmax(logits)`` over ``mask`` computed in ``acc`` (either as
+    ``exp(I - max)/sum`` or as ``exp(I - lse)``): ``u_a (|I - Lambda| + 2 |Lambda| + n + 2 ln n + 6)``
+    with ``Lambda = logsumexp(I)`` over the row."""
+    x = logits.masked_fill(~mask, -INF)
+    lam = _finite_or_zero(torch.logsumexp(x, dim=-1, keepdim=True))
+    nv = mask.sum(dim=-1, keepdim=True).to(F64)
+    rel = u.a * ((logits - lam).abs() + 2 * lam.abs() + nv + 2 * torch.log(nv.clamp_min(1.0)) + 6)
+    return torch.where(mask, rel, torch.zeros_like(rel))
+
+
+def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, result, *,
+                       coeff, precision, scale=None, num_real=None, loss_floor=FLT_MIN,
+                       chunk_rows=None):
+    """Section 12 bound for the section 8 loss: an :class:`IndexerLossBound` for ``result``
+    (the oracle's :func:`sparse_indexer_loss` on the same inputs; ``lse`` and ``index_scores``
+    are the values the implementation consumed).
+
+    Teacher: ``A_hc = exp(s_hc - LSEf_h)`` with relative error
+    ``rA = u_a ((D+3) a_hc + 3 |LSEf_h| + 6)`` and underflow ``eta_a``; ``num_c = sum_h A``
+    (``+ H u_a num_c``), ``Z = sum_c num_c`` (``+ n u_a Z``);
+    ``bound_target = (E_num_c + tau_c E_Z) / Z + (u_a + u_s) tau_c + eta_s`` (at most 1).
+    Student: ``bound_predict = rel_p p + eta_a + eta_s``, ``rel_p`` from the softmax (see
+    ``_softmax_rel``) plus ``u_s``. KL (``tau_ = max(tau, f)``, ``p_ = max(p, f)``,
+    ``L = log tau_ - log p_``): ``sum_c |L + 1| E_tau + (tau_/p_) E_p + u_a tau_ (|log tau_| +
+    |log p_| + 2 |L| + 4) + n u_a sum_c tau_ |L| + u_s |KL| + eta_s``. Loss:
+    ``|coeff|/N (sum_t E_KL + u_a T_sel sum_t |KL|) + (2 u_a + u_s) |loss| + eta_s``.
+    """
+    u = _units(precision)
+    if not isinstance(layout, PackedLayout):
+        raise TypeError(f"layout must be a PackedLayout, got {type(layout).__name__}")
+    if not isinstance(result, IndexerLoss):
+        raise TypeError(f"result must be the IndexerLoss of sparse_indexer_loss, got "
+                        f"{type(result).__name__}")
+    q = as_float64(q, "q", ndim=3)
+    kc = as_float64(kv_cmp, "kv_cmp", ndim=2)
+    sink = as_float64(sink, "sink", ndim=1, allow_nan=False)
+    lse = as_float64(lse, "lse", ndim=2, allow_nan=False)
+    ids = as_index(compressed_ids, "compressed_ids", ndim=2)
+    scores = as_float64(index_scores, "index_scores", ndim=2, allow_nan=False)
+    T, H, D = q.shape
+    C, Kc = kc.shape[0], ids.shape[1]
+    check_dim(q, "q", 0, layout.num_rows, "layout.num_rows")
+    check_dim(kc, "kv_cmp", 1, D, "q head dim D")
+    check_dim(sink, "sink", 0, H, "q heads H")
+    _same_shape(lse, "lse", (T, H))
+    check_dim(ids, "compressed_ids", 0, T, "rows T")
+    _same_shape(scores, "index_scores", (T, C))
+    coeff = as_real(coeff, "coeff")
+    scale = D ** -0.5 if scale is None else as_real(scale, "scale")
+    floor = as_real(loss_floor, "loss_floor", positive=True)
+    n_real = layout.num_real if num_real is None else as_int(num_real, "num_real", minimum=1)
+    if n_real < 1:
+        raise ValueError("num_real: the layout has no real tokens; N must be >= 1")
+    tau_all = as_float64(result.target, "result.target", ndim=2)
+    p_all = as_float64(result.predict, "result.predict", ndim=2)
+    kl_all = as_float64(result.kl, "result.kl", ndim=1)
+    _same_shape(tau_all, "result.target", (T, Kc))
+    _same_shape(p_all, "result.predict", (T, Kc))
+    _same_shape(kl_all, "result.kl", (T,))
+    loss = as_float64(result.loss, "result.loss")
+
+    valid = (ids >= 0) & (ids < C) & layout.is_real.unsqueeze(1)
+    safe = torch.where(valid, ids, torch.zeros_like(ids))
+    full = torch.logaddexp(lse, sink.unsqueeze(0))
+    b_tau = torch.zeros((T, Kc), dtype=F64)
+    b_p = torch.zeros((T, Kc), dtype=F64)
+    b_kl = torch.zeros(T, dtype=F64)
+    step = rows_per_chunk(chunk_rows, 8 * Kc * (2 * D + 6 * H))
+    for r0 in range(0, T, step):
+        r1 = min(r0 + step, T)
+        n = r1 - r0
+        f = full[r0:r1]
+        mv = valid[r0:r1] & torch.isfinite(f).all(dim=1, keepdim=True)       # rows with mass
+        mv3 = mv.unsqueeze(1)
+        nv = mv.sum(dim=1, keepdim=True).to(F64)
+        kg = kc.index_select(0, safe[r0:r1].reshape(-1)).view(n, Kc, D)
+        s = scale * torch.bmm(q[r0:r1], kg.transpose(1, 2))                  # [n, H, Kc]
+        a = abs(scale) * torch.bmm(q[r0:r1].abs(), kg.abs().transpose(1, 2))
+        f0 = _finite_or_zero(f).unsqueeze(-1)
+        A = torch.exp(s - f0).masked_fill(~mv3, 0.0)
+        rA = u.a * ((D + 3) * a + 3 * f0.abs() + 6)
+        errA = torch.where(mv3, rA * A + u.ea, torch.zeros_like(A))
+        num = A.sum(dim=1)                                                    # [n, Kc]
+        err_num = errA.sum(dim=1) + u.a * H * num
+        Z = num.sum(dim=1, keepdim=True)
+        err_Z = err_num.sum(dim=1, keepdim=True) + u.a * nv * Z
+        tau = tau_all[r0:r1]
+        e_tau = torch.where(Z > 0, (err_num + tau * err_Z) / torch.where(Z > 0, Z, torch.ones_like(Z)),
+                            torch.full_like(num, INF))
+        e_tau = (e_tau + (u.a + u.s) * tau + u.es).clamp_max(1.0)
+        e_tau = torch.where(mv, e_tau, torch.zeros_like(e_tau))
+        p = p_all[r0:r1]
+        logits = torch.gather(scores[r0:r1], 1, safe[r0:r1])
+        e_p = torch.where(mv, (_softmax_rel(logits, mv, u) + u.s) * p + u.ea + u.es,
+                          torch.zeros_like(p))
+        tb, pb = tau.clamp_min(floor), p.clamp_min(floor)
+        lt, lp = torch.log(tb), torch.log(pb)
+        L = lt - lp
+        terms = (L + 1).abs() * e_tau + tb / pb * e_p + u.a * tb * (lt.abs() + lp.abs() + 2 * L.abs() + 4)
+        terms = torch.where(mv, terms, torch.zeros_like(terms))
+        mag = torch.where(mv, tb * L.abs(), torch.zeros_like(L))
+        e_kl = terms.sum(dim=1) + u.a * nv.squeeze(1) * mag.sum(dim=1)
+        has = mv.any(dim=1)
+        b_kl[r0:r1] = torch.where(has, e_kl + u.s * kl_all[r0:r1].abs() + u.es, torch.zeros_like(e_kl))
+        b_tau[r0:r1] = e_tau
+        b_p[r0:r1] = e_p
+    n_sel = float((b_kl > 0).sum())
+    b_loss = abs(coeff) / n_real * (b_kl.sum() + u.a * n_sel * kl_all.abs().sum()) \
+        + (2 * u.a + u.s) * loss.abs() + u.es
+    return IndexerLossBound(b_loss, b_kl, b_tau, b_p)
+
+
+def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predict, dq_idx, dw,
+                            dk_idx, *, coeff, num_real, precision, grad_loss=1.0, scale=None,
+                            grad_floor=math.exp(-100), mode="clipped", loss_floor=FLT_MIN,
+                            chunk_rows=None):
+    """Section 12 bound for the section 8 indexer gradients: ``(bound_dq_idx [T,H_I,D_I],
+    bound_dw [T,H_I], bound_dk_idx [C,D_I])`` for the oracle's
+    :func:`sparse_indexer_loss_grad` outputs ``dq_idx``, ``dw``, ``dk_idx`` on the same inputs.
+
+    ``gI = gs (p S - tau~ m)``, ``S = sum_c tau~_c m_c``; ``E_g = |gs| u_a ((n+2) p S + tau~ m
+    + 4 |p S - tau~ m|)`` (clipped mode: ``target`` and ``predict`` consumed exactly; autograd
+    mode: plus ``|gs| S E_p`` for ``p`` recomputed from the logits, whose error is the
+    section 7 bound). The strict gate ``z > 0`` is *ambiguous* where ``|z| <= u_a (D_I+1)
+    zeta``: there the whole term may appear or vanish, and ``|g w|`` is added to ``E_dS``.
+    ``E_dS = |w| 1[z > 0 or ambiguous] E_g + (u_a + u_o) |dS| + amb |g w| + eta_o``;
+    ``bound_dq = |scale| sum_c E_dS |k_c| + n u_a |scale| sum_c |dS| |k_c| + (u_a + u_o) |dq| + eta_o``;
+    ``bound_dw = |scale| sum_c (E_g relu(z) + |g| u_a (D_I+1) zeta + (u_a + u_o) |g| relu(z))
+    + n u_a |scale| sum_c |g| relu(z) + (u_a + u_o) |dw| + eta_o``;
+    ``bound_dk[c] = |scale| sum_{t,h} E_dS |q| + n_c u_a |scale| sum |dS| |q| + (u_a + u_o) |dk| + eta_o``.
+    """
+    u = _units(precision)
+    q = as_float64(q_idx, "q_idx", ndim=3)
+    k = as_float64(k_idx, "k_idx", ndim=2)
+    w = as_float64(weights, "weights", ndim=2)
+    ids = as_index(compressed_ids, "compressed_ids", ndim=2)
+    tau = as_float64(target, "target", ndim=2, allow_nan=False)
+    p_in = as_float64(predict, "predict", ndim=2, allow_nan=False)
+    T, HI, DI = q.shape
+    C, Kc = k.shape[0], ids.shape[1]
+    check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
+    check_dim(w, "weights", 0, T, "rows T")
+    check_dim(w, "weights", 1, HI, "indexer heads H_I")
+    check_dim(ids, "compressed_ids", 0, T, "rows T")
+    _same_shape(tau, "target", (T, Kc))
+    _same_shape(p_in, "predict", (T, Kc))
+    dq = as_float64(dq_idx, "dq_idx", ndim=3)
+    dw_ = as_float64(dw, "dw", ndim=2)
+    dk = as_float64(dk_idx, "dk_idx", ndim=2)
+    _same_shape(dq, "dq_idx", (T, HI, DI))
+    _same_shape(dw_, "dw", (T, HI))
+    _same_shape(dk, "dk_idx", (C, DI))
+    coeff = as_real(coeff, "coeff")
+    n_real = as_int(num_real, "num_real", minimum=1)
+    grad_loss = as_real(grad_loss, "grad_loss")
+    scale = DI ** -0.5 if scale is None else as_real(scale, "scale")
+    e = as_real(grad_floor, "grad_floor", positive=True)
+    floor = as_real(loss_floor, "loss_floor", positive=True)
+    mode = choice(mode, "mode", ("clipped", "autograd"))
+    sc = abs(scale)
+    gs = abs(coeff / n_real * grad_loss)
+    valid = (ids >= 0) & (ids < C)
+    b_dq = torch.zeros_like(dq)
+    b_dw = torch.zeros_like(dw_)
+    err_k = torch.zeros_like(dk)
+    mag_k = torch.zeros_like(dk)
+    n_k = torch.zeros((C, 1), dtype=F64)
+    step = rows_per_chunk(chunk_rows, 8 * Kc * (4 * DI + 8 * HI))
+    for r0 in range(0, T, step):
+        r1 = min(r0 + step, T)
+        n = r1 - r0
+        v = valid[r0:r1]
+        nv = v.sum(dim=1, keepdim=True).to(F64)                               # [n, 1]
+        safe = torch.where(v, ids[r0:r1], torch.zeros_like(ids[r0:r1]))
+        kg = k.index_select(0, safe.reshape(-1)).view(n, Kc, DI)
+        qc, wc = q[r0:r1], w[r0:r1]
+        z = torch.bmm(qc, kg.transpose(1, 2))                                # [n, H_I, Kc]
+        zeta = torch.bmm(qc.abs(), kg.abs().transpose(1, 2))
+        relu = torch.relu(z)
+        if mode == "clipped":
+            tt, m = tau[r0:r1].clamp_min(e), v & (p_in[r0:r1] >= e)
+            p = p_in[r0:r1]
+        else:
+            logits = sc * torch.bmm(wc.unsqueeze(1), relu).squeeze(1) * (1 if scale >= 0 else -1)
+            x = logits.masked_fill(~v, -INF)
+            mx = _finite_or_zero(x.amax(dim=1, keepdim=True))
+            ex = torch.exp(x - mx)
+            p = ex / ex.sum(dim=1, keepdim=True).clamp_min(1e-300)
+            tt, m = tau[r0:r1].clamp_min(floor), v & (p > floor)
+        tm = torch.where(m, tt, torch.zeros_like(tt))
+        S = tm.sum(dim=1, keepdim=True)
+        ghat = p * S - tm
+        g = gs * ghat.abs()
+        e_g = gs * u.a * ((nv + 2) * p * S + tm + 4 * ghat.abs())
+        if mode == "autograd":
+            # logits error of section 7 (stored in acc, not rounded to stats) and the softmax
+            wa = wc.abs().unsqueeze(1)
+            d_i = sc * torch.bmm(wa, u.a * DI * zeta + (u.a + u.o) * relu).squeeze(1) \
+                + u.a * HI * sc * torch.bmm(wa, relu).squeeze(1)
+            d_i = torch.where(v, d_i, torch.zeros_like(d_i))
+            e_p = p * (d_i + (p * d_i).sum(dim=1, keepdim=True) + _softmax_rel(logits, v, u)) + u.ea
+            e_g = e_g + gs * S * e_p
+        e_g = torch.where(v, e_g, torch.zeros_like(e_g)).unsqueeze(1)       # [n, 1, Kc]
+        g = torch.where(v, g, torch.zeros_like(g)).unsqueeze(1)
+        wa3 = wc.abs().unsqueeze(-1)                                          # [n, H_I, 1]
+        dz = u.a * (DI + 1) * zeta
+        amb = (z.abs() <= dz).to(F64)
+        gate = ((z > 0).to(F64) + amb).clamp_max(1.0)
+        ds = g * wa3 * (z > 0).to(F64)                                       # |dS|
+        e_ds = wa3 * gate * e_g + (u.a + u.o) * ds + amb * g * wa3 + u.eo * v.unsqueeze(1)
+        kabs = kg.abs()
+        b_dq[r0:r1] = sc * torch.bmm(e_ds, kabs) + (nv * u.a).unsqueeze(-1) * sc * torch.bmm(ds, kabs)
+        b_dw[r0:r1] = sc * (e_g * relu + g * dz + (u.a + u.o) * g * relu).sum(dim=-1) \
+            + nv * u.a * sc * (g * relu).sum(dim=-1)
+        qa = qc.abs()
+        err = sc * torch.bmm(e_ds.transpose(1, 2), qa)                       # [n, Kc, D_I]
+        mag = sc * torch.bmm(ds.transpose(1, 2), qa)
+        flat = v.reshape(-1)
+        rows = ids[r0:r1].reshape(-1)[flat]
+        err_k.index_add_(0, rows, err.reshape(n * Kc, DI)[flat])
+        mag_k.index_add_(0, rows, mag.reshape(n * Kc, DI)[flat])
+        n_k.index_add_(0, rows, torch.full((rows.numel(), 1), float(HI), dtype=F64))
+    b_dq += (u.a + u.o) * dq.abs() + u.eo
+    b_dw += (u.a + u.o) * dw_.abs() + u.eo
+    b_dk = err_k + u.a * n_k * mag_k + (u.a + u.o) * dk.abs() + u.eo
+    return b_dq, b_dw, b_dk
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 9: query RMS norm
+# ---------------------------------------------------------------------------------------------
+
+def q_rms_norm_bound(q, q_out, *, precision, eps: float = 1e-6) -> torch.Tensor:
+    """Section 12 bound for the section 9 query RMS norm (``q_out`` = the oracle's
+    :func:`q_rms_norm` of ``q``): ``|q_out| (u_a (D + 2) / 2 + 4 u_a + u_o) + eta_o``
+    (mean of ``D`` squares, ``+ eps``, ``rsqrt`` halving the relative error of its argument
+    plus 2 roundings, the product, one rounding to ``io``)."""
+    u = _units(precision)
+    x = as_float64(q, "q")
+    if x.dim() < 1:
+        raise ValueError("q must have at least one dimension (the head dimension)")
+    y = as_float64(q_out, "q_out")
+    _same_shape(y, "q_out", x.shape)
+    as_real(eps, "eps", positive=True)
+    D = x.shape[-1]
+    return y.abs() * (u.a * ((D + 2) / 2 + 4) + u.o) + u.eo
