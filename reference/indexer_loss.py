@@ -63,10 +63,11 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
     """
     if not isinstance(layout, PackedLayout):
         raise TypeError(f"layout must be a PackedLayout, got {type(layout).__name__}")
-    q = as_float64(q, "q", ndim=3)
-    kc = as_float64(kv_cmp, "kv_cmp", ndim=2)
-    sink = as_float64(sink, "sink", ndim=1, allow_nan=False)
-    lse = as_float64(lse, "lse", ndim=2, allow_nan=False)
+    # The teacher is detached (section 8): no gradient reaches q, kv_cmp, the sink or lse.
+    q = as_float64(q, "q", ndim=3).detach()
+    kc = as_float64(kv_cmp, "kv_cmp", ndim=2).detach()
+    sink = as_float64(sink, "sink", ndim=1, allow_nan=False).detach()
+    lse = as_float64(lse, "lse", ndim=2, allow_nan=False).detach()
     ids = as_index(compressed_ids, "compressed_ids", ndim=2)
     scores = as_float64(index_scores, "index_scores", ndim=2, allow_nan=False)
     T, H, D = q.shape
