@@ -1,0 +1,554 @@
+"""The comparison engine (contract sections 4, 11 and 12), shared by the pytest suite and the
+``dsv4-oracle check`` command: one piece of code for both.
+
+Every check returns a :class:`CheckResult`; nothing here raises on a *failed* comparison (a
+wrong shape, a wrong value, a nondeterministic kernel are results, not errors). Bad *arguments*
+(not a tensor, an unknown policy, a bound of the wrong shape) raise ``TypeError``/``ValueError``
+naming the argument. No function modifies its inputs. No pytest dependency.
+
+- :func:`compare_numeric`: ``ratio = max |actual - expected| / bound`` (the error model of
+  ``reference.error_model``), after an exact check of the ``-inf``/``+inf``/NaN positions;
+- :func:`compare_exact`: value (or bitwise) equality with the count and first location of
+  mismatches;
+- :func:`compare_topk` and :func:`near_tie_rows`: Top-K sets and lengths exactly per row,
+  order only under a named policy, near-tie rows excluded and counted;
+- :func:`check_replays`, :func:`check_grad_mode_parity`, :func:`check_no_mutation`: the
+  determinism checks of section 11.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+
+__all__ = [
+    "CheckResult",
+    "compare_numeric",
+    "compare_exact",
+    "compare_topk",
+    "near_tie_rows",
+    "check_replays",
+    "check_grad_mode_parity",
+    "check_no_mutation",
+    "TOPK_ORDERS",
+]
+
+TOPK_ORDERS = ("id", "score")
+_F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The outcome of one check.
+
+    ``kind``: ``"numeric"``, ``"exact"``, ``"topk"``, ``"replay"``, ``"grad_mode"`` or
+    ``"no_mutation"``. ``ratio``: error/bound for numeric checks (``<= 1`` passes). ``mismatches``:
+    the number of mismatching elements (exact, replay, grad-mode), rows (top-k) or tensors
+    (no-mutation). ``detail``: one human-readable line. ``extra``: further JSON-ready facts
+    (worst index, excluded rows, per-tensor counts, ...).
+    """
+
+    name: str
+    kind: str
+    passed: bool
+    ratio: float | None = None
+    mismatches: int | None = None
+    detail: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict (non-finite floats as the strings ``"inf"``, ``"-inf"``, ``"nan"``)."""
+        d = {"name": self.name, "kind": self.kind, "passed": self.passed, "ratio": self.ratio,
+             "mismatches": self.mismatches, "detail": self.detail}
+        d.update(self.extra)
+        return _jsonable(d)
+
+    def raise_if_failed(self) -> "CheckResult":
+        """Raise ``AssertionError`` with the detail when the check failed; return self otherwise."""
+        if not self.passed:
+            raise AssertionError(f"{self.name} ({self.kind}): {self.detail}")
+        return self
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, torch.Tensor):
+        return _jsonable(x.tolist())
+    return x
+
+
+def _tensor(x, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _name(x, what: str = "name") -> str:
+    if not isinstance(x, str):
+        raise TypeError(f"{what} must be a str, got {type(x).__name__}")
+    return x
+
+
+def _index(flat: int, shape) -> list[int]:
+    """The multi-index of a flat (row-major) position."""
+    out = []
+    for size in reversed(tuple(shape)):
+        out.append(flat % size if size else 0)
+        flat //= max(size, 1)
+    return out[::-1]
+
+
+def _cpu(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().to("cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Numeric and exact comparisons
+# ---------------------------------------------------------------------------------------------
+
+def _nonfinite_code(x: torch.Tensor) -> torch.Tensor:
+    code = torch.zeros(x.shape, dtype=torch.int8)
+    code[torch.isnan(x)] = 1
+    code[x == math.inf] = 2
+    code[x == -math.inf] = 3
+    return code
+
+
+def compare_numeric(name: str, actual, expected, bound) -> CheckResult:
+    """Section 12: ``ratio = max |actual - expected| / bound``; passes iff ``ratio <= 1``.
+
+    First, the positions of ``-inf``, ``+inf`` and NaN must be identical in ``actual`` and
+    ``expected`` (an exact check; any difference fails with ``ratio = inf``). Then over the
+    finite positions an element with zero error contributes 0 and an element with a positive
+    error and a zero bound contributes ``inf`` (a zero bound is an exact check).
+    ``bound`` must broadcast to ``expected`` and be non-negative (it comes from
+    ``reference.error_model``). A shape mismatch between ``actual`` and ``expected`` fails.
+    """
+    name = _name(name)
+    a = _tensor(actual, "actual")
+    e = _tensor(expected, "expected")
+    b = _tensor(bound, "bound")
+    if a.is_complex() or e.is_complex() or b.is_complex():
+        raise TypeError("compare_numeric: complex tensors are not supported")
+    if not b.is_floating_point():
+        raise TypeError(f"bound must be a floating-point tensor, got dtype {b.dtype}")
+    e64 = _cpu(e).to(_F64)
+    try:
+        b64 = torch.broadcast_to(_cpu(b).to(_F64), e64.shape)
+    except RuntimeError:
+        raise ValueError(f"bound of shape {tuple(b.shape)} does not broadcast to expected "
+                         f"{tuple(e.shape)}") from None
+    if bool(torch.isnan(b64).any()) or bool((b64 < 0).any()):
+        raise ValueError("bound must be non-negative and free of NaN")
+    if tuple(a.shape) != tuple(e.shape):
+        return CheckResult(name, "numeric", False, math.inf, None,
+                           f"shape {tuple(a.shape)} != expected {tuple(e.shape)}",
+                           {"shape": list(a.shape), "expected_shape": list(e.shape)})
+    a64 = _cpu(a).to(_F64)
+    n = e64.numel()
+    # 1. exact check of the non-finite positions (codes: 0 finite, 1 NaN, 2 +inf, 3 -inf)
+    sa, se = _nonfinite_code(a64), _nonfinite_code(e64)
+    bad = (sa != se).reshape(-1)
+    nbad = int(bad.sum())
+    if nbad:
+        i = int(torch.nonzero(bad)[0])
+        idx = _index(i, e64.shape)
+        return CheckResult(
+            name, "numeric", False, math.inf, nbad,
+            f"{nbad} of {n} non-finite positions differ; first at {idx}: actual "
+            f"{float(a64.reshape(-1)[i])!r}, expected {float(e64.reshape(-1)[i])!r}",
+            {"nonfinite_mismatches": nbad, "worst_index": idx, "numel": n})
+    # 2. error / bound over the finite positions
+    fin = (se == 0).reshape(-1)
+    err = (a64 - e64).abs().reshape(-1)
+    err = torch.where(fin, err, torch.zeros_like(err))
+    bf = b64.reshape(-1)
+    r = torch.where(err == 0, torch.zeros_like(err), err / bf)       # x/0 = inf for x > 0
+    if n == 0:
+        return CheckResult(name, "numeric", True, 0.0, 0, "empty tensor",
+                           {"max_error": 0.0, "numel": 0})
+    i = int(torch.argmax(r))
+    worst = float(r[i])
+    idx = _index(i, e64.shape)
+    over = int((r > 1).sum())
+    passed = worst <= 1.0
+    detail = (f"ratio {worst:.3g} (error {float(err[i]):.3g} / bound {float(bf[i]):.3g}) at {idx}: "
+              f"actual {float(a64.reshape(-1)[i])!r}, expected {float(e64.reshape(-1)[i])!r}"
+              + ("" if passed else f"; {over} of {n} elements over their bound"))
+    return CheckResult(name, "numeric", passed, worst, over, detail,
+                       {"max_error": float(err.max()), "worst_index": idx,
+                        "worst_error": float(err[i]), "worst_bound": float(bf[i]),
+                        "numel": n})
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a tensor as integers of the same width (floats), or the values."""
+    x = _cpu(x).contiguous()
+    if x.is_floating_point():
+        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+        return x.view(width)
+    return x
+
+
+def _mismatch_mask(a: torch.Tensor, e: torch.Tensor, bitwise: bool) -> torch.Tensor:
+    if bitwise:
+        return _bits(a) != _bits(e)
+    a, e = _cpu(a), _cpu(e)
+    if a.is_floating_point() or e.is_floating_point():
+        a64, e64 = a.to(_F64), e.to(_F64)
+        return ~((a64 == e64) | (torch.isnan(a64) & torch.isnan(e64)))
+    return a.to(torch.int64) != e.to(torch.int64)
+
+
+def compare_exact(name: str, actual, expected, *, bitwise: bool = False) -> CheckResult:
+    """Sections 4, 5 and 12: exact equality.
+
+    ``bitwise=False``: equal values (``-0.0 == +0.0``, NaN equals NaN; integer dtypes compared
+    as values, so int32 ids match int64 ids). ``bitwise=True``: identical dtype and bits.
+    Reports the number of mismatching elements and the first one.
+    """
+    name = _name(name)
+    a = _tensor(actual, "actual")
+    e = _tensor(expected, "expected")
+    if not isinstance(bitwise, bool):
+        raise TypeError(f"bitwise must be a bool, got {type(bitwise).__name__}")
+    if tuple(a.shape) != tuple(e.shape):
+        return CheckResult(name, "exact", False, None, None,
+                           f"shape {tuple(a.shape)} != expected {tuple(e.shape)}",
+                           {"shape": list(a.shape), "expected_shape": list(e.shape)})
+    if bitwise and a.dtype != e.dtype:
+        return CheckResult(name, "exact", False, None, None,
+                           f"dtype {a.dtype} != expected {e.dtype} (bitwise comparison)")
+    bad = _mismatch_mask(a, e, bitwise).reshape(-1)
+    nbad = int(bad.sum())
+    n = bad.numel()
+    if not nbad:
+        return CheckResult(name, "exact", True, None, 0, f"all {n} elements equal", {"numel": n})
+    i = int(torch.nonzero(bad)[0])
+    idx = _index(i, a.shape)
+    av, ev = _cpu(a).reshape(-1)[i].item(), _cpu(e).reshape(-1)[i].item()
+    return CheckResult(name, "exact", False, None, nbad,
+                       f"{nbad} of {n} elements differ; first at {idx}: actual {av!r}, "
+                       f"expected {ev!r}", {"first_index": idx, "numel": n})
+
+
+# ---------------------------------------------------------------------------------------------
+# Top-K (section 4)
+# ---------------------------------------------------------------------------------------------
+
+def _ulp32(x: torch.Tensor) -> torch.Tensor:
+    """The float32 spacing at ``|x|`` (as float64)."""
+    m = x.abs().to(torch.float32)
+    return (torch.nextafter(m, torch.full_like(m, math.inf)) - m).to(_F64)
+
+
+def near_tie_rows(scores, k: int, ulps: int = 4, *, bound=None) -> torch.Tensor:
+    """Section 12: rows whose K-th and (K+1)-th best candidate scores lie within ``ulps``
+    float32 ulps (of the larger magnitude) -- plus, when ``bound`` (the scores' error bound,
+    same shape) is given, within the sum of their two bounds. Candidates are the non ``-inf``
+    scores; a row with at most ``k`` candidates is never a near tie. Returns bool ``[T]``.
+    """
+    s = _tensor(scores, "scores")
+    if s.dim() != 2:
+        raise ValueError(f"scores must have 2 dimensions, got shape {tuple(s.shape)}")
+    if not s.is_floating_point():
+        raise TypeError(f"scores must be a floating-point tensor, got dtype {s.dtype}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    if isinstance(ulps, bool) or not isinstance(ulps, int) or ulps < 0:
+        raise ValueError(f"ulps must be an int >= 0, got {ulps!r}")
+    s64 = _cpu(s).to(_F64)
+    if bool(torch.isnan(s64).any()):
+        raise ValueError("scores contains NaN")
+    T, N = s64.shape
+    if N <= k:
+        return torch.zeros(T, dtype=torch.bool)
+    if bound is not None:
+        b = _cpu(_tensor(bound, "bound")).to(_F64)
+        if tuple(b.shape) != tuple(s.shape):
+            raise ValueError(f"bound must have the shape of scores {tuple(s.shape)}, got {tuple(b.shape)}")
+    vals, order = torch.sort(s64, dim=1, descending=True, stable=True)
+    sk, sk1 = vals[:, k - 1], vals[:, k]
+    cand = sk1 > -math.inf
+    gap = sk - sk1
+    tol = ulps * torch.maximum(_ulp32(sk), _ulp32(torch.where(cand, sk1, sk)))
+    if bound is not None:
+        tol = tol + b.gather(1, order[:, k - 1:k]).squeeze(1) + b.gather(1, order[:, k:k + 1]).squeeze(1)
+    return cand & (gap <= tol)
+
+
+def _row_mask(rows, T: int, name: str) -> torch.Tensor:
+    r = _tensor(rows, name)
+    if r.dtype == torch.bool:
+        if tuple(r.shape) != (T,):
+            raise ValueError(f"{name} must be a bool mask of shape ({T},), got {tuple(r.shape)}")
+        return _cpu(r)
+    if r.is_floating_point() or r.dim() != 1:
+        raise TypeError(f"{name} must be a bool mask [T] or a 1-D integer tensor of row indices")
+    r = _cpu(r).to(torch.int64)
+    if r.numel() and (int(r.min()) < 0 or int(r.max()) >= T):
+        raise ValueError(f"{name} holds a row index outside [0, {T})")
+    m = torch.zeros(T, dtype=torch.bool)
+    m[r] = True
+    return m
+
+
+def _ids_2d(x, name: str) -> torch.Tensor:
+    t = _tensor(x, name)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must have 2 dimensions [T, width], got shape {tuple(t.shape)}")
+    return _cpu(t).to(torch.int64)
+
+
+def _lengths_1d(x, name: str, T: int) -> torch.Tensor:
+    t = _tensor(x, name)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+    if tuple(t.shape) != (T,):
+        raise ValueError(f"{name} must have shape ({T},), got {tuple(t.shape)}")
+    return _cpu(t).to(torch.int64)
+
+
+def compare_topk(ids, lengths, ids_ref, lengths_ref, *, order: str | None = None,
+                 near_tie_rows=None, name: str = "topk") -> CheckResult:
+    """Section 4: per row, the lengths and the selected *sets* must match exactly; slots at or
+    beyond a row's length must be ``-1``; a row must not select an id twice. Under a named
+    ``order`` policy (``"id"`` or ``"score"``, the reference computed under the same policy)
+    the first ``length`` slots must also match in order. Rows flagged in ``near_tie_rows``
+    (bool ``[T]`` or row indices) are excluded and counted. Widths may differ (alignment
+    padding): the narrower side is padded with ``-1``.
+    """
+    name = _name(name)
+    if order is not None:
+        if not isinstance(order, str):
+            raise TypeError(f"order must be a str or None, got {type(order).__name__}")
+        if order not in TOPK_ORDERS:
+            raise ValueError(f"order must be one of {TOPK_ORDERS} or None, got {order!r}")
+    ref = _ids_2d(ids_ref, "ids_ref")
+    T = ref.shape[0]
+    lref = _lengths_1d(lengths_ref, "lengths_ref", T)
+    excluded = torch.zeros(T, dtype=torch.bool) if near_tie_rows is None else \
+        _row_mask(near_tie_rows, T, "near_tie_rows")
+    got_t = _tensor(ids, "ids")
+    if got_t.dim() != 2 or got_t.shape[0] != T:
+        return CheckResult(name, "topk", False, None, None,
+                           f"ids shape {tuple(got_t.shape)} does not have {T} rows [T, width]")
+    got = _ids_2d(ids, "ids")
+    lt = _tensor(lengths, "lengths")
+    if tuple(lt.shape) != (T,):
+        return CheckResult(name, "topk", False, None, None,
+                           f"lengths shape {tuple(lt.shape)} != ({T},)")
+    lgot = _lengths_1d(lengths, "lengths", T)
+    W = max(got.shape[1], ref.shape[1], 1)
+    pad = lambda x: torch.cat([x, torch.full((T, W - x.shape[1]), -1, dtype=torch.int64)], 1)  # noqa: E731
+    got, ref = pad(got), pad(ref)
+    slot = torch.arange(W).unsqueeze(0)
+    in_got = slot < lgot.clamp(0, W).unsqueeze(1)
+    in_ref = slot < lref.clamp(0, W).unsqueeze(1)
+    bad_len = (lgot != lref) | (lgot < 0) | (lgot > W)
+    big = torch.iinfo(torch.int64).max
+    sg, _ = torch.sort(torch.where(in_got, got, torch.full_like(got, big)), dim=1)
+    sr, _ = torch.sort(torch.where(in_ref, ref, torch.full_like(ref, big)), dim=1)
+    bad_set = (sg != sr).any(dim=1)
+    dup = ((sg[:, 1:] == sg[:, :-1]) & (sg[:, 1:] != big)).any(dim=1) if W > 1 else \
+        torch.zeros(T, dtype=torch.bool)
+    bad_tail = (torch.where(in_got, torch.full_like(got, -1), got) != -1).any(dim=1)
+    bad_neg = (in_got & (got < 0)).any(dim=1)
+    bad_order = torch.zeros(T, dtype=torch.bool)
+    if order is not None:
+        bad_order = (torch.where(in_ref, got, ref) != ref).any(dim=1) & ~bad_len
+    bad = (bad_len | bad_set | dup | bad_tail | bad_neg | bad_order) & ~excluded
+    nbad = int(bad.sum())
+    extra = {"rows": T, "excluded_near_tie": int(excluded.sum()),
+             "length_mismatch_rows": int((bad_len & ~excluded).sum()),
+             "set_mismatch_rows": int((bad_set & ~excluded).sum()),
+             "duplicate_rows": int((dup & ~excluded).sum()),
+             "tail_not_minus_one_rows": int((bad_tail & ~excluded).sum()),
+             "negative_in_length_rows": int((bad_neg & ~excluded).sum()),
+             "order_policy": order,
+             "order_mismatch_rows": int((bad_order & ~excluded).sum())}
+    if not nbad:
+        return CheckResult(name, "topk", True, None, 0,
+                           f"{T - extra['excluded_near_tie']} rows match "
+                           f"({extra['excluded_near_tie']} near-tie rows excluded)", extra)
+    t = int(torch.nonzero(bad)[0])
+    gs = set(got[t][in_got[t]].tolist())
+    rs = set(ref[t][in_ref[t]].tolist())
+    missing, surplus = sorted(rs - gs)[:8], sorted(gs - rs)[:8]
+    extra.update(first_row=t, first_row_missing=missing, first_row_extra=surplus)
+    return CheckResult(name, "topk", False, None, nbad,
+                       f"{nbad} of {T} rows differ; first row {t}: length {int(lgot[t])} vs "
+                       f"{int(lref[t])}, missing {missing}, extra {surplus}"
+                       + (", order differs" if bool(bad_order[t]) else "")
+                       + (", duplicate ids" if bool(dup[t]) else "")
+                       + (", slots past the length are not -1" if bool(bad_tail[t]) else ""),
+                       extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# Determinism (section 11)
+# ---------------------------------------------------------------------------------------------
+
+def _leaves(x, path: str = "out") -> Iterator[tuple[str, Any]]:
+    """(path, leaf) pairs of nested tuples/lists/dicts/NamedTuples; tensors and other leaves."""
+    if isinstance(x, torch.Tensor):
+        yield path, x
+    elif isinstance(x, Mapping):
+        for k in x:
+            yield from _leaves(x[k], f"{path}[{k!r}]")
+    elif isinstance(x, tuple) and hasattr(x, "_fields"):
+        for k in x._fields:
+            yield from _leaves(getattr(x, k), f"{path}.{k}")
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _leaves(v, f"{path}[{i}]")
+    else:
+        yield path, x
+
+
+def _snapshot(x) -> list[tuple[str, Any]]:
+    """Detached CPU copies of every tensor leaf (other leaves kept as they are)."""
+    return [(p, _cpu(v).clone() if isinstance(v, torch.Tensor) else v) for p, v in _leaves(x)]
+
+
+def _diff(a: list, b: list) -> dict[str, int | str]:
+    """Per leaf path, how many elements of ``b`` differ bitwise from ``a`` (or why they can't
+    be compared); identical leaves are omitted."""
+    out: dict[str, int | str] = {}
+    pa, pb = [p for p, _ in a], [p for p, _ in b]
+    if pa != pb:
+        return {"structure": f"outputs differ in structure: {pa} vs {pb}"}
+    for (p, x), (_, y) in zip(a, b):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            out[p] = "tensor vs non-tensor"
+        elif isinstance(x, torch.Tensor):
+            if x.dtype != y.dtype or x.shape != y.shape:
+                out[p] = f"{x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}"
+            else:
+                n = int((_bits(x) != _bits(y)).sum())
+                if n:
+                    out[p] = n
+        elif not (x == y or (isinstance(x, float) and isinstance(y, float)
+                             and math.isnan(x) and math.isnan(y))):
+            out[p] = f"{x!r} vs {y!r}"
+    return out
+
+
+def _callable(fn, name: str) -> Callable:
+    if not callable(fn):
+        raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+    return fn
+
+
+def check_replays(fn, n: int, *, name: str = "replays") -> CheckResult:
+    """Section 11 (run to run): call ``fn()`` ``n`` times (``n >= 2``); every tensor of every
+    output must be bitwise identical to the first call's (same dtype, shape and bits).
+    ``fn`` returns a tensor or nested tuples/lists/dicts of them. Reports, per tensor, the
+    largest number of differing elements and the calls that differed."""
+    name = _name(name)
+    fn = _callable(fn, "fn")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise ValueError(f"n must be an int >= 2, got {n!r}")
+    first = _snapshot(fn())
+    worst: dict[str, int | str] = {}
+    differing_calls = []
+    for i in range(1, n):
+        d = _diff(first, _snapshot(fn()))
+        if d:
+            differing_calls.append(i)
+        for p, v in d.items():
+            if isinstance(v, int) and isinstance(worst.get(p, 0), int):
+                worst[p] = max(v, worst.get(p, 0))
+            else:
+                worst[p] = v
+    tensors = [p for p, v in first if isinstance(v, torch.Tensor)]
+    extra = {"calls": n, "tensors": tensors, "differing": worst, "differing_calls": differing_calls}
+    if not worst:
+        return CheckResult(name, "replay", True, None, 0,
+                           f"{n} calls bitwise identical ({len(tensors)} tensors)", extra)
+    count = sum(v for v in worst.values() if isinstance(v, int))
+    parts = ", ".join(f"{p}: {v}" + (" elements" if isinstance(v, int) else "")
+                      for p, v in worst.items())
+    return CheckResult(name, "replay", False, None, count,
+                       f"calls {differing_calls} of {n} differ from call 0: {parts}", extra)
+
+
+GRAD_MODES: tuple[tuple[str, Callable[[], Any]], ...] = (
+    ("grad_enabled", torch.enable_grad),
+    ("no_grad", torch.no_grad),
+    ("inference_mode", torch.inference_mode),
+)
+
+
+def check_grad_mode_parity(fn, *, name: str = "grad_modes") -> CheckResult:
+    """Section 11 (across grad modes): ``fn()`` under ``torch.enable_grad()``,
+    ``torch.no_grad()`` and ``torch.inference_mode()`` must return bitwise identical tensors
+    (compared detached, on the CPU; the grad-enabled call is the reference)."""
+    name = _name(name)
+    fn = _callable(fn, "fn")
+    runs = {}
+    for mode, ctx in GRAD_MODES:
+        with ctx():
+            out = fn()
+        runs[mode] = _snapshot(out)
+    ref = runs["grad_enabled"]
+    diffs = {mode: _diff(ref, runs[mode]) for mode in ("no_grad", "inference_mode")}
+    diffs = {m: d for m, d in diffs.items() if d}
+    extra = {"modes": [m for m, _ in GRAD_MODES], "differing": diffs}
+    if not diffs:
+        return CheckResult(name, "grad_mode", True, None, 0,
+                           "identical under grad-enabled, no_grad and inference_mode", extra)
+    count = sum(v for d in diffs.values() for v in d.values() if isinstance(v, int))
+    parts = "; ".join(f"{m}: " + ", ".join(f"{p}: {v}" for p, v in d.items())
+                      for m, d in diffs.items())
+    return CheckResult(name, "grad_mode", False, None, count,
+                       f"differs from grad-enabled under {parts}", extra)
+
+
+def _content_hash(t: torch.Tensor) -> str:
+    """sha256 of dtype, shape and the bytes of the values in logical (row-major) order."""
+    x = _cpu(t).contiguous()
+    h = hashlib.sha256(f"{x.dtype}|{tuple(x.shape)}|".encode())
+    if x.numel():
+        h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def check_no_mutation(fn, inputs, *, name: str = "no_mutation") -> CheckResult:
+    """Section 11 (inputs untouched): hash every tensor in ``inputs`` (content, dtype, shape),
+    call ``fn(*inputs)`` (a tuple or list) or ``fn(**inputs)`` (a mapping), hash again; every
+    hash must be unchanged. Nested containers are searched for tensors."""
+    name = _name(name)
+    fn = _callable(fn, "fn")
+    if isinstance(inputs, Mapping):
+        if not all(isinstance(k, str) for k in inputs):
+            raise TypeError("inputs: mapping keys must be str (keyword arguments)")
+        call = lambda: fn(**inputs)  # noqa: E731
+        root = "inputs"
+    elif isinstance(inputs, Sequence) and not isinstance(inputs, (str, bytes)):
+        call = lambda: fn(*inputs)  # noqa: E731
+        root = "inputs"
+    else:
+        raise TypeError(f"inputs must be a tuple/list (positional) or a mapping (keyword), "
+                        f"got {type(inputs).__name__}")
+    before = {p: _content_hash(v) for p, v in _leaves(inputs, root) if isinstance(v, torch.Tensor)}
+    call()
+    after = {p: _content_hash(v) for p, v in _leaves(inputs, root) if isinstance(v, torch.Tensor)}
+    changed = sorted(p for p in before if after.get(p) != before[p])
+    extra = {"tensors": sorted(before), "changed": changed}
+    if not changed:
+        return CheckResult(name, "no_mutation", True, None, 0,
+                           f"{len(before)} input tensors unchanged", extra)
+    return CheckResult(name, "no_mutation", False, None, len(changed),
+                       f"{len(changed)} of {len(before)} input tensors modified: {', '.join(changed)}",
+                       extra)
