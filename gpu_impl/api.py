@@ -12,9 +12,12 @@ Backend selection (:func:`resolve_backend`):
 - ``"cudnn"``: :mod:`gpu_impl.cudnn_backend`, imported lazily. It must be importable, the
   tensors must be on a CUDA device, and the module must support the op on that device in the
   requested mode; otherwise :class:`BackendUnavailable` (a ``RuntimeError``) says which piece is
-  missing. The module declares support through ``why_unsupported(op, device, deterministic)``
-  (``None`` when supported, else a reason); a module without that function is taken to support
-  every op it defines on every CUDA device.
+  missing. The module declares support through
+  ``why_unsupported(op, device, deterministic, args, kwargs)`` (``None`` when supported, else a
+  one-line reason; ``args``/``kwargs`` are the op's own arguments, so that shape or dtype
+  limits of a kernel can be checked; a three-parameter ``why_unsupported(op, device,
+  deterministic)`` is accepted too); a module without that function is taken to support every
+  op it defines on every CUDA device.
 - ``"auto"``: ``"cudnn"`` where the above holds, else ``"torch"``.
 
 Arguments are validated by the backend before it launches any computation; ``ValueError`` and
@@ -23,6 +26,7 @@ Arguments are validated by the backend before it launches any computation; ``Val
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from typing import NamedTuple
 
@@ -109,7 +113,7 @@ def _cudnn_module():
         return None, f"gpu_impl.cudnn_backend cannot be imported ({type(exc).__name__}: {exc})"
 
 
-def _cudnn_reason(op: str, device: torch.device, deterministic: bool):
+def _cudnn_reason(op: str, device: torch.device, deterministic: bool, args=(), kwargs=None):
     """``None`` if the cuDNN backend can run ``op`` on ``device`` in this mode, else why not."""
     if device.type != "cuda":
         return f"the tensors are on {device}, and the cuDNN backend needs a CUDA device"
@@ -121,14 +125,22 @@ def _cudnn_reason(op: str, device: torch.device, deterministic: bool):
     if not callable(getattr(module, op, None)):
         return f"gpu_impl.cudnn_backend does not implement {op}"
     why = getattr(module, "why_unsupported", None)
-    if callable(why):
+    if not callable(why):
+        return None
+    try:
+        if len(inspect.signature(why).parameters) >= 5:
+            return why(op, device, deterministic, tuple(args), dict(kwargs or {}))
         return why(op, device, deterministic)
-    return None
+    except (TypeError, ValueError, AttributeError, IndexError) as exc:
+        # malformed arguments: the backend that runs validates them and names the bad one
+        return f"its support check rejected the arguments ({type(exc).__name__}: {exc})"
 
 
-def resolve_backend(op: str, device, backend: str = "auto", deterministic: bool = True) -> str:
+def resolve_backend(op: str, device, backend: str = "auto", deterministic: bool = True,
+                    args=(), kwargs=None) -> str:
     """The backend that runs ``op`` on ``device``: ``"torch"`` or ``"cudnn"``.
 
+    ``args``/``kwargs``: the op's arguments, when known (kernels have shape limits).
     Raises :class:`BackendUnavailable` when ``backend="cudnn"`` is asked for and cannot run.
     A pure function of its arguments and of what is installed.
     """
@@ -138,7 +150,7 @@ def resolve_backend(op: str, device, backend: str = "auto", deterministic: bool 
     device = torch.device(device)
     if backend == "torch":
         return "torch"
-    reason = _cudnn_reason(op, device, deterministic)
+    reason = _cudnn_reason(op, device, deterministic, args, kwargs)
     if backend == "cudnn" and reason is not None:
         raise BackendUnavailable(f"backend='cudnn' cannot run {op}: {reason}")
     return "cudnn" if reason is None else "torch"
@@ -157,7 +169,7 @@ def _device_of(*tensors) -> torch.device:
 
 def _run(op: str, device_tensor, backend: str, deterministic: bool, args, kwargs):
     device = device_tensor if isinstance(device_tensor, torch.device) else _device_of(device_tensor)
-    name = resolve_backend(op, device, backend, deterministic)
+    name = resolve_backend(op, device, backend, deterministic, args, kwargs)
     fn = getattr(_module(name), op)
     return fn(*args, deterministic=deterministic, **kwargs), name
 

@@ -38,6 +38,13 @@ class Impl:
     def id(self) -> str:
         return f"{self.backend}-{self.device}"
 
+    @property
+    def request(self) -> str:
+        """The ``backend`` argument passed to each op: ``"torch"``, or ``"auto"`` for cuDNN
+        (cuDNN where its kernels run the op with these shapes, torch for the rest; every
+        result records which backend ran, and the verdict table prints it)."""
+        return "torch" if self.backend == "torch" else "auto"
+
     def precision(self, dtype: torch.dtype) -> EM.Precision:
         """Working precision (section 12): float32 accumulation and statistics, operands and
         outputs stored in the input dtype (bf16 for bf16 inputs)."""
@@ -74,7 +81,7 @@ def content_hash(tensors: dict) -> dict:
 def run_impl(impl: Impl, case: Case, x: dict, *, deterministic: bool = True) -> dict:
     """The implementation's pipeline on ``x`` (tensors already on ``impl.device``): every output
     of :data:`fixtures.pipeline.OUTPUT_NAMES` it has, on its device, plus ``backends``."""
-    b = dict(backend=impl.backend, deterministic=deterministic)
+    b = dict(backend=impl.request, deterministic=deterministic)
     lay = case.layout()
     res: dict = {"backends": {}}
     cmp_ids = None

@@ -62,6 +62,8 @@ def test_ops_against_oracle(impl, case):
     before = content_hash(x)
     got = run_impl(impl, case, x)
     assert content_hash(x) == before, "an op modified one of its inputs (contract section 11)"
+    if impl.backend == "cudnn" and "cudnn" not in got["backends"].values():
+        pytest.skip(f"the cuDNN backend runs none of this case's ops ({case})")
     verdicts = judge(impl, case, x, got)
     for name in ("out", "lse", "dq", "dkv", "dsink"):
         assert got[name].device.type == torch.device(impl.device).type
@@ -93,14 +95,14 @@ def test_q_rms_norm(impl):
     g = torch.Generator().manual_seed(0)
     q = (torch.randn(6, 4, 64, generator=g) * 3).to(torch.bfloat16).to(impl.device)
     before = content_hash({"q": q})
-    res = api.q_rms_norm(q, backend=impl.backend)
+    res = api.q_rms_norm(q, backend=impl.request)
     assert content_hash({"q": q}) == before
     ref = R.q_rms_norm(q)
     prec = impl.precision(torch.bfloat16)
     assert_verdicts([bounded("q_rms_norm", res.q, ref, EM.q_rms_norm_bound(q, ref, precision=prec))],
                     f"{impl.id} q_rms_norm backend={res.backend}")
     qt = q.transpose(0, 1).contiguous().transpose(0, 1)           # same values, other strides
-    assert torch.equal(api.q_rms_norm(qt, backend=impl.backend).q, res.q)
+    assert torch.equal(api.q_rms_norm(qt, backend=impl.request).q, res.q)
     if res.backend == "torch":
         assert torch.equal(res.q.cpu(), R.q_rms_norm_bf16(q))
 
@@ -167,7 +169,7 @@ def test_bad_inputs_rejected(impl):
     before = content_hash(good)
     for what, call, exc, text in calls:
         with pytest.raises(exc) as info:
-            call(impl.backend)
+            call(impl.request)
         assert text in str(info.value), f"{what}: the message does not name {text!r}: {info.value}"
     assert content_hash(good) == before, "a rejected call modified its inputs"
     if impl.device == "cuda":
