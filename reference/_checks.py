@@ -24,6 +24,11 @@ def as_float64(x, name: str, *, ndim: int | None = None, allow_nan: bool = True)
     if ndim is not None and x.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
     out = x.to(device=CPU, dtype=F64)
+    if not out.is_contiguous() or out.data_ptr() % 64:
+        # CPU kernels pick code paths by stride and alignment: a fresh contiguous buffer (like
+        # the one any dtype conversion allocates) keeps the oracle's bits independent of the
+        # caller's memory layout (e.g. float64 tensors loaded from a file at an odd offset).
+        out = out.clone(memory_format=torch.contiguous_format)
     if not allow_nan and bool(torch.isnan(out).any()):
         raise ValueError(f"{name} contains NaN")
     return out
