@@ -144,7 +144,8 @@ def fixed_order_scatter_add(acc: torch.Tensor, dest: torch.Tensor, values: torch
         v = v.index_select(0, keep) + torch.where(pair, partner, torch.zeros_like(partner))
         rank = rank[keep] // 2
         cnt = (cnt[keep] + 1) // 2
-    acc.index_add_(0, uniq, v)   # one term per destination: exact, order-free
+    # one term per destination (unique indices): each row is written exactly once
+    acc.index_copy_(0, uniq, acc.index_select(0, uniq) + v)
 
 
 def _layout_rows(layout: PackedLayout, device: torch.device):

@@ -68,7 +68,7 @@ def content_hash(tensors: dict) -> dict:
     out = {}
     for k, t in tensors.items():
         if isinstance(t, torch.Tensor):
-            c = t.detach().to("cpu").contiguous()
+            c = t.detach().to("cpu").contiguous().reshape(-1)
             h = hashlib.sha256(f"{c.dtype}{tuple(c.shape)}".encode())
             h.update(c.view(torch.uint8).numpy().tobytes() if c.numel() else b"")
             out[k] = h.hexdigest()
