@@ -53,6 +53,7 @@ class LayerResult(NamedTuple):
     compressed_ids: torch.Tensor | None      # [T, K] Top-K compressed ids (CSA), else None
     compressed_lengths: torch.Tensor | None  # [T] (CSA), else None
     index_scores: torch.Tensor | None        # [T, C] float32 (CSA), else None
+    indexer_loss: "api.IndexerLossResult | None"  # loss, kl, target, predict, N (CSA)
     backends: dict                    # op name -> backend that ran it (forward ops)
 
 
@@ -171,7 +172,7 @@ def csa_layer(q, kv, sink, layout, *, window, ratio, kv_cmp=None, q_idx=None, k_
     dev = q.device
     ran: dict = {}
 
-    scores = cmp_ids = cmp_len = None
+    scores = cmp_ids = cmp_len = res = None
     if is_csa:
         sc = api.indexer_scores(q_idx.detach(), k_idx.detach(), weights.detach(), layout, ratio,
                                 scale=index_scale, backend=backends["indexer_scores"],
@@ -200,5 +201,5 @@ def csa_layer(q, kv, sink, layout, *, window, ratio, kv_cmp=None, q_idx=None, k_
                                   cmp_ids, lcfg)
     else:
         loss = torch.zeros((), dtype=torch.float32, device=dev)
-    return LayerResult(out, loss, lse, rows.ids, rows.lengths, cmp_ids, cmp_len, scores,
+    return LayerResult(out, loss, lse, rows.ids, rows.lengths, cmp_ids, cmp_len, scores, res,
                        dict(ran))
