@@ -154,9 +154,8 @@ def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: li
                                       timeit(fwd_triton, reps), f_fwd, b_fwd,
                                       f"config {kt.FORWARD_CONFIG}"))
     if sweep:
-        for cfg in (dict(block_dv=512, num_warps=8), dict(block_dv=256, num_warps=4),
-                    dict(block_dv=128, num_warps=4), dict(block_n=32, block_dv=512, num_warps=8),
-                    dict(block_d=128, block_dv=256, num_warps=8), dict(num_stages=3)):
+        for cfg in (dict(block_dv=512, num_warps=8), dict(block_dv=128, num_warps=4),
+                    dict(block_d=128, block_dv=256, num_warps=8)):
             attempt(f"fwd triton {cfg}", lambda cfg=cfg: row(
                 "attention fwd: Triton sweep", timeit(lambda: fwd_triton(**cfg), reps), f_fwd,
                 b_fwd, f"config {cfg}"))
@@ -195,21 +194,23 @@ def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: li
         return kt.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV, lengths, **cfg)
 
     def check_bwd():
-        a = bwd_triton()
-        b = bwd_triton()
-        same = all(torch.equal(u, v) for u, v in zip(a, b))
         c = raw_cudnn_bwd()
-        log(f"T={T} triton bwd bitwise replay equal: {same}; vs cuDNN: dq rel "
-            f"{rel(a[0], c['dq']):.2e}, dkv rel {rel(a[1], c['dkv']):.2e}, dsink rel "
-            f"{rel(a[2], c['d_sink']):.2e}")
-        rows.append(dict(T=T, what="triton bwd replay bitwise equal", ms=None, note=str(same)))
+        for red in ("planes", "fixed"):
+            a = bwd_triton(reduction=red)
+            b = bwd_triton(reduction=red)
+            same = all(torch.equal(u, v) for u, v in zip(a, b))
+            log(f"T={T} triton bwd ({red}) bitwise replay equal: {same}; vs cuDNN: dq rel "
+                f"{rel(a[0], c['dq']):.2e}, dkv rel {rel(a[1], c['dkv']):.2e}, dsink rel "
+                f"{rel(a[2], c['d_sink']):.2e}")
+            rows.append(dict(T=T, what=f"triton bwd ({red}) replay bitwise equal", ms=None,
+                             note=str(same)))
     attempt("check backward", check_bwd)
     attempt("bwd triton", lambda: row("attention bwd: Triton fixed-order (deterministic)",
                                       timeit(bwd_triton, reps), f_bwd, b_bwd,
                                       f"config {kt.BACKWARD_CONFIG}"))
     if sweep:
-        for cfg in (dict(block_d=128), dict(block_n=32), dict(programs=264),
-                    dict(num_warps=4), dict(block_d=128, num_warps=4), dict(num_stages=2)):
+        for cfg in (dict(reduction="fixed"), dict(block_d=128), dict(programs=264),
+                    dict(reduction="fixed", num_warps=4)):
             attempt(f"bwd triton {cfg}", lambda cfg=cfg: row(
                 "attention bwd: Triton sweep", timeit(lambda: bwd_triton(**cfg), reps), f_bwd,
                 b_bwd, f"config {cfg}"))

@@ -46,7 +46,8 @@ TILE = 64            # key rows per plane tile (tile table granularity)
 
 # Default launch parameters (chosen by bench/bench_gpu.py on the H200; see docs/CUDNN.md).
 FORWARD_CONFIG = dict(block_n=64, block_d=64, block_dv=256, num_warps=8, num_stages=2)
-BACKWARD_CONFIG = dict(block_n=64, block_d=64, programs_per_sm=1, num_warps=8, num_stages=1)
+BACKWARD_CONFIG = dict(block_n=64, block_d=64, programs_per_sm=1, num_warps=8, num_stages=1,
+                       reduction="planes")
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -155,11 +156,12 @@ def attention_forward(q, kv, ids, sink, scale, dv, lengths=None, *, block_n=None
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _bwd_kernel(q_ptr, kv_ptr, ids_ptr, len_ptr, mult_ptr, do_ptr, full_ptr, delta_ptr,
-                dq_ptr, plane_ptr, table_ptr, scratch_ptr,
+                dq_ptr, plane_ptr, table_ptr, kscale_ptr, scratch_ptr,
                 T, H, D, DV, S, K, K_PAD, NT, rows_per_prog, scale, scale_log2,
                 stride_qt, stride_qh, stride_kv, stride_it, stride_dot, stride_doh,
-                HAS_LEN: tl.constexpr, HAS_MULT: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILE_ROWS: tl.constexpr):
+                HAS_LEN: tl.constexpr, HAS_MULT: tl.constexpr, FIXED_POINT: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                TILE_ROWS: tl.constexpr):
     g = tl.program_id(0)
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
@@ -226,17 +228,24 @@ def _bwd_kernel(q_ptr, kv_ptr, ids_ptr, len_ptr, mult_ptr, do_ptr, full_ptr, del
                              mask=valid[:, None] & d_ok[None, :], other=0.0)
                 dq_acc += tl.dot(ds, kc)
                 contrib = tl.dot(tl.trans(ds), qc) * scale + tl.dot(tl.trans(p), oc)
-                active = valid
-                if HAS_MULT:
-                    mult = tl.load(mult_ptr + t * K + slot, mask=in_len, other=0.0)
-                    active = active & (mult > 0.0)
-                    contrib = contrib * mult[:, None]
-                base = tl.load(table_row + sid // TILE_ROWS, mask=active, other=0)
-                prow = base * TILE_ROWS + sid % TILE_ROWS
-                pptr = plane_ptr + prow[:, None] * D + dd[None, :]
-                pmask = active[:, None] & d_ok[None, :]
-                old = tl.load(pptr, mask=pmask, other=0.0, cache_modifier=".cg")
-                tl.store(pptr, old + contrib, mask=pmask)
+                if FIXED_POINT:
+                    # integer atomics are associative: the sum's bits do not depend on order
+                    ks = tl.load(kscale_ptr + sid, mask=valid, other=0.0)
+                    fixed = (contrib * ks[:, None]).to(tl.int64)
+                    tl.atomic_add(plane_ptr + sid[:, None] * D + dd[None, :], fixed,
+                                  mask=valid[:, None] & d_ok[None, :], sem="relaxed")
+                else:
+                    active = valid
+                    if HAS_MULT:
+                        mult = tl.load(mult_ptr + t * K + slot, mask=in_len, other=0.0)
+                        active = active & (mult > 0.0)
+                        contrib = contrib * mult[:, None]
+                    base = tl.load(table_row + sid // TILE_ROWS, mask=active, other=0)
+                    prow = base * TILE_ROWS + sid % TILE_ROWS
+                    pptr = plane_ptr + prow[:, None] * D + dd[None, :]
+                    pmask = active[:, None] & d_ok[None, :]
+                    old = tl.load(pptr, mask=pmask, other=0.0, cache_modifier=".cg")
+                    tl.store(pptr, old + contrib, mask=pmask)
             tl.store(dq_ptr + t * stride_qt + offs_h[:, None] * stride_qh + dd[None, :],
                      (dq_acc * scale).to(dq_ptr.dtype.element_ty),
                      mask=h_ok[:, None] & d_ok[None, :])
@@ -305,15 +314,47 @@ def tile_table(ids: torch.Tensor, active: torch.Tensor, num_keys: int, programs:
     return table.contiguous(), nt, total
 
 
+def _fixed_point_scales(q, kv, dout, delta, valid, ids, scale, dv):
+    """Per key row ``s``, a power of two ``2^k_s`` such that the sum of the magnitudes of every
+    contribution to ``dkv[s]``, times ``2^k_s``, stays below ``2^62`` (int64 cannot overflow):
+    ``|c| <= R = H (scale max|q| (max_h |dO_h| max_s |v_s| + max|Delta|) + max|dO|)`` per slot
+    (``|P| <= 1``, ``|dS| <= |dP| + |Delta|``, Cauchy-Schwarz), ``count_s`` slots hold ``s``.
+    Returns ``(kscale float32 [S], inverse float64 [S])`` or ``None`` when a bound is not
+    finite (non-finite inputs: the plane path then propagates NaN/inf as the contract says)."""
+    f64 = torch.float64
+    T, H, D = q.shape
+    S = kv.shape[0]
+    flat = ids.to(torch.int64)[valid]
+    count = torch.bincount(flat, minlength=S)[:S]
+    used = count > 0
+    vnorm = kv[:, :dv].to(f64).norm(dim=1)
+    vmax = torch.where(used, vnorm, torch.zeros_like(vnorm)).max()
+    r = H * (scale * q.to(f64).abs().max() * (dout.to(f64).norm(dim=-1).max() * vmax
+                                               + delta.to(f64).abs().max())
+             + dout.to(f64).abs().max())
+    r = 2.0 * r + 1e-30                                    # slack for float32 rounding
+    bound = count.to(f64) * r
+    if not bool(torch.isfinite(bound).all()):
+        return None
+    k = 62 - torch.ceil(torch.log2(torch.where(used, bound, torch.ones_like(bound))))
+    k = torch.where(used, k, torch.zeros_like(k)).clamp(-120, 120)
+    return torch.exp2(k).to(torch.float32).contiguous(), torch.exp2(-k)
+
+
 def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None, *,
                        block_n=None, block_d=None, programs=None, num_warps=None,
-                       num_stages=None):
+                       num_stages=None, reduction=None):
     """Deterministic section 6 backward: ``dq`` (q's dtype), ``dkv`` (kv's dtype) and float32
     ``dsink``. Same argument conventions as :func:`attention_forward`; ``out``/``dout`` are
-    ``[T,H,Dv]``, ``lse`` float32 ``[T,H]`` (KV-only, +inf on empty rows)."""
+    ``[T,H,Dv]``, ``lse`` float32 ``[T,H]`` (KV-only, +inf on empty rows).
+
+    ``reduction``: ``"planes"`` (program-private float32 planes folded in program order) or
+    ``"fixed"`` (contributions scaled by a per-key power of two, rounded to int64 and added
+    with integer atomics, which are associative; converted back once). Both are bitwise
+    repeatable; ``"fixed"`` falls back to ``"planes"`` when its bound is not finite."""
     cfg = dict(BACKWARD_CONFIG)
     for k_, v_ in (("block_n", block_n), ("block_d", block_d), ("num_warps", num_warps),
-                   ("num_stages", num_stages)):
+                   ("num_stages", num_stages), ("reduction", reduction)):
         if v_ is not None:
             cfg[k_] = v_
     T, H, D = q.shape
@@ -325,11 +366,10 @@ def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None
     ids = ids.contiguous()
     f32 = torch.float32
     dq = torch.empty_like(q)
-    dkv = torch.empty((S, D), dtype=kv.dtype, device=dev)
-    if T == 0 or K == 0:
+    if T == 0 or K == 0 or S == 0:
         dq.zero_()
-        dkv.zero_()
-        return dq, dkv, torch.zeros(H, dtype=f32, device=dev)
+        return dq, torch.zeros((S, D), dtype=kv.dtype, device=dev), torch.zeros(
+            H, dtype=f32, device=dev)
     # Row statistics (per row, fixed-shape reductions): Delta, the full normaliser (log2), dsink.
     lse32 = lse.to(f32)
     sink32 = sink.to(f32)
@@ -342,20 +382,29 @@ def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None
     p_sink = torch.sigmoid(sink32.unsqueeze(0) - torch.where(empty, torch.zeros_like(lse32), lse32))
     p_sink = torch.where(empty, torch.zeros_like(p_sink), p_sink)
     dsink = -(p_sink * delta).sum(dim=0)
-    # Slot validity, duplicate merge, plane layout.
+    # Slot validity; the reduction's layout.
     slot = torch.arange(K, device=dev).unsqueeze(0)
     valid = (ids >= 0) & (ids < S)
     if lengths is not None:
         valid &= slot < lengths.to(torch.int64).clamp(0, K).unsqueeze(1)
-    mult = slot_multiplicity(ids, valid)
-    active = valid if mult is None else (mult > 0)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
     g = programs if programs is not None else sms * cfg["programs_per_sm"]
     g = max(1, min(int(g), T))
     rows_per_prog = -(-T // g)
     g = -(-T // rows_per_prog)
-    table, nt, total = tile_table(ids, active, S, g, rows_per_prog)
-    planes = torch.zeros((max(total, 1) * TILE, D), dtype=f32, device=dev)
+    scales = None
+    if cfg.get("reduction", "planes") == "fixed":
+        scales = _fixed_point_scales(q, kv, dout, delta, valid, ids, scale, dv)
+    mult = None
+    if scales is not None:
+        acc = torch.zeros((S, D), dtype=torch.int64, device=dev)
+        table, nt, kscale = acc, 1, scales[0]
+    else:
+        mult = slot_multiplicity(ids, valid)
+        active = valid if mult is None else (mult > 0)
+        table, nt, total = tile_table(ids, active, S, g, rows_per_prog)
+        acc = torch.zeros((max(total, 1) * TILE, D), dtype=f32, device=dev)
+        kscale = delta
     block_h = _pow2(H)
     block_n = cfg["block_n"]
     block_d = min(cfg["block_d"], _pow2(D))
@@ -364,15 +413,20 @@ def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None
     lens = lengths.contiguous() if lengths is not None else ids
     mult_arg = mult if mult is not None else delta
     _bwd_kernel[(g,)](q, kv, ids, lens, mult_arg, dout, full2, delta.contiguous(),
-                      dq, planes, table, scratch,
+                      dq, acc, table, kscale, scratch,
                       T, H, D, dv, S, K, k_pad, nt, rows_per_prog, float(scale),
                       float(scale) * LOG2E,
                       q.stride(0), q.stride(1), kv.stride(0), ids.stride(0),
                       dout.stride(0), dout.stride(1),
                       HAS_LEN=lengths is not None, HAS_MULT=mult is not None,
+                      FIXED_POINT=scales is not None,
                       BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, TILE_ROWS=TILE,
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    fold_planes(planes, table, dkv, g, nt)
+    if scales is not None:
+        dkv = (acc.to(torch.float64) * scales[1].unsqueeze(1)).to(kv.dtype)
+    else:
+        dkv = torch.empty((S, D), dtype=kv.dtype, device=dev)
+        fold_planes(acc, table, dkv, g, nt)
     return dq, dkv, dsink
 
 

@@ -200,11 +200,14 @@ def _judge_backward(q, kv, ids, sink, lengths, out, lse, dout, got, dv):
     dict(T=600, H=64, D=576, dv=512, S=5000, K=96),              # many plane tiles
     dict(T=300, H=5, D=48, dv=32, S=200, K=40, hostile=True),    # odd shapes, hostile ids
 ], ids=["contention", "many-tiles-d576", "hostile-odd"])
+@pytest.mark.parametrize("reduction", ["planes", "fixed"])
 @on_gpu
-def test_triton_fixed_order_backward(shape, replays):
-    """The deterministic backward's planes and fold: bitwise replays (at least 5) under heavy
+def test_triton_fixed_order_backward(shape, reduction, replays):
+    """The deterministic backward's two order-free reductions (private planes folded in program
+    order; per-key fixed point with integer atomics): bitwise replays (at least 5) under heavy
     contention and duplicate ids, and agreement with the oracle (error-model ratios)."""
     from gpu_impl import cudnn_backend as cb
+    from gpu_impl import kernels_triton as kt
     shape = dict(shape)
     dv = shape.pop("dv", None)
     q, kv, ids, lengths, sink, dout = (t.cuda() for t in _attention_inputs(**shape, seed=7, dv=dv))
@@ -215,8 +218,14 @@ def test_triton_fixed_order_backward(shape, replays):
                        v_dim=dv).startswith("triton")
 
     def run():
-        dq, dkv, ds = cb.sparse_attention_backward(q, kv, ids, sink, out, lse, dout, v_dim=dv,
-                                                   lengths=lengths, deterministic=True)
+        if reduction == kt.BACKWARD_CONFIG["reduction"]:      # through the backend's checks
+            dq, dkv, ds = cb.sparse_attention_backward(q, kv, ids, sink, out, lse, dout,
+                                                       v_dim=dv, lengths=lengths,
+                                                       deterministic=True)
+        else:
+            dq, dkv, ds = kt.attention_backward(q, kv, ids, sink, out, lse, dout,
+                                                q.shape[2] ** -0.5, dv, lengths,
+                                                reduction=reduction)
         return {"dq": dq, "dkv": dkv, "dsink": ds}
     diffs = _replay_differences(run, max(replays, 5))
     assert not diffs, f"deterministic backward differs across replays: {diffs}"
