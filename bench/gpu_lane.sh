@@ -19,7 +19,7 @@ if [ "${BENCH_TIMEOUT:-200}" != 0 ]; then
 fi
 if [ "${TEST_TIMEOUT:-280}" != 0 ]; then
   timeout "${TEST_TIMEOUT:-280}" python3 -m pytest ${TESTS:--m gpu -k cudnn} -p no:cacheprovider \
-    -rA --timeout=240 -q oracle_tests > "$OUT/pytest.log" 2>&1
+    -rA --timeout=240 -v oracle_tests > "$OUT/pytest.log" 2>&1
   echo "pytest exit $?"
-  grep -E "^(FAILED|ERROR|PASSED|SKIPPED)|passed|failed" "$OUT/pytest.log" | tail -60
+  grep -E " (PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | cut -c1-220 | tail -70
 fi
