@@ -14,36 +14,21 @@ import os
 import pickle
 import tempfile
 import traceback
-from dataclasses import dataclass
 
 import torch
 
 import reference as R
+from fixtures.case import Case
 
-__all__ = ["CPCase", "CASES", "make_inputs", "oracle_cp1", "spawn"]
+__all__ = ["CASES", "make_inputs", "oracle_cp1", "spawn", "local_inputs", "rank_main"]
 
 
-@dataclass(frozen=True)
-class CPCase:
-    """A small CP layer case: layout, shapes and layer kind (``ratio`` 0 / 4 / 128)."""
-
-    name: str
-    cu_seqlens: tuple
-    cu_seqlens_padded: tuple
-    num_rows: int
-    ratio: int = 4
-    window: int = 4
-    topk: int = 3
-    heads: int = 2
-    head_dim: int = 8
-    v_dim: int | None = 6
-    index_heads: int = 2
-    index_dim: int = 4
-    coeff: float = 0.3
-    seed: int = 0
-
-    def layout(self) -> R.PackedLayout:
-        return R.PackedLayout(list(self.cu_seqlens), list(self.cu_seqlens_padded), self.num_rows)
+def _case(name, ratio, seed, layout=None, **kw):
+    layer = "window" if ratio == 0 else ("csa" if ratio == 4 else "hca")
+    lay = dict(_BOUNDARY if layout is None else layout)
+    return Case(name=name, seed=seed, **lay, heads=2, head_dim=8, v_dim=6, window=4,
+                ratio=ratio, topk=3, index_heads=2, index_dim=4, layer=layer, coeff=0.3,
+                dtype=kw.pop("dtype", "float32"), categories=("cp",), **kw)
 
 
 # T = 64: rank boundaries at 32 (cp 2) and 16/32/48 (cp 4). Document 0 crosses 16 and ends
@@ -52,37 +37,24 @@ class CPCase:
 # capacity rows.
 _BOUNDARY = dict(cu_seqlens=(0, 18, 18, 29, 29, 55), cu_seqlens_padded=(0, 20, 20, 34, 34, 60),
                  num_rows=64)
+# Every segment (16, 0, 24, 16, capacity 8) divides by 2*cp = 8: usable in zigzag mode too.
+_ZIGZAG = dict(cu_seqlens=(0, 13, 13, 37, 50), cu_seqlens_padded=(0, 16, 16, 40, 56),
+               num_rows=64)
 CASES = {
-    "csa": CPCase("csa", **_BOUNDARY, ratio=4, seed=1),
-    "hca": CPCase("hca", **_BOUNDARY, ratio=8, window=4, seed=2),
-    "window": CPCase("window", **_BOUNDARY, ratio=0, seed=3),
-    # zigzag-able: every segment (16, 0, 24, 16, capacity 8) divides by 2*cp = 8.
-    "csa_zigzag": CPCase("csa_zigzag", cu_seqlens=(0, 13, 13, 37, 50),
-                         cu_seqlens_padded=(0, 16, 16, 40, 56), num_rows=64, ratio=4, seed=4),
+    "csa": _case("cp-csa", 4, 1),
+    "hca": _case("cp-hca", 8, 2),
+    "window": _case("cp-window", 0, 3),
+    "csa_zigzag": _case("cp-csa-zigzag", 4, 4, _ZIGZAG),
+    "csa_bf16": _case("cp-csa-bf16", 4, 5, dtype="bfloat16"),
 }
 
 
-def make_inputs(case: CPCase, dtype=torch.float32):
-    """Global inputs of a case, deterministic from its seed (identical bits in every process),
-    generated in float64 and rounded once to ``dtype``."""
-    g = torch.Generator().manual_seed(1000 + case.seed)
-    lay = case.layout()
-    T, H, D = lay.num_rows, case.heads, case.head_dim
-    C = lay.num_compressed(case.ratio) if case.ratio else 0
-    dv = case.v_dim or D
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
-
-    x = {"q": rnd(T, H, D), "kv": rnd(T, D), "kv_cmp": rnd(C, D), "sink": rnd(H),
-         "dout": rnd(T, H, dv)}
-    if case.ratio == 4:
-        x.update(q_idx=rnd(T, case.index_heads, case.index_dim), k_idx=rnd(C, case.index_dim),
-                 weights=rnd(T, case.index_heads))
-    return x
+def make_inputs(case: Case):
+    """Global inputs of a case (``Case.materialize``: identical bits in every process)."""
+    return case.materialize()
 
 
-def oracle_cp1(case: CPCase, x):
+def oracle_cp1(case: Case, x):
     """The cp=1 oracle pipeline on the (rounded) inputs ``x``: indexer scores -> stable Top-K
     -> compressed-first rows -> attention forward/backward -> indexer loss and its gradient."""
     lay = case.layout()
@@ -98,7 +70,7 @@ def oracle_cp1(case: CPCase, x):
                                            compressed_ids=cids)
     else:
         ids, lengths = R.build_csa_indices(lay, window=case.window, ratio=0)
-    keys = torch.cat([x["kv"].double(), x["kv_cmp"].double()])
+    keys = x["kv"].double()                       # the logical key buffer [T + C, D]
     out, lse = R.sparse_attention_forward(x["q"], keys, ids, x["sink"], v_dim=case.v_dim,
                                           lengths=lengths)
     dq, dkv, dsink = R.sparse_attention_backward(x["q"], keys, ids, x["sink"], out, lse,
@@ -135,7 +107,8 @@ def _entry(rank, world, fn, args, init_file, result_dir, backend, timeout_s):
         pickle.dump(status, f)
 
 
-def spawn(fn, world, *args, backend="gloo", deadline_s=60.0, collective_timeout_s=30.0):
+def spawn(fn, world, *args, backend="gloo", deadline_s=60.0, collective_timeout_s=30.0,
+          start_method="fork"):
     """Run ``fn(rank, world, *args)`` on ``world`` fresh processes joined in one process group;
     return the list of per-rank results (picklable). Any rank's exception is raised here with
     its traceback; if the group has not finished after ``deadline_s`` seconds the processes are
@@ -145,7 +118,7 @@ def spawn(fn, world, *args, backend="gloo", deadline_s=60.0, collective_timeout_
         init_file = os.path.join(tmp, "store")
         ctx = mp.start_processes(_entry, args=(world, fn, args, init_file, tmp, backend,
                                                collective_timeout_s),
-                                 nprocs=world, join=False, start_method="spawn")
+                                 nprocs=world, join=False, start_method=start_method)
         import time
         end = time.monotonic() + deadline_s
         try:
@@ -173,3 +146,123 @@ def spawn(fn, world, *args, backend="gloo", deadline_s=60.0, collective_timeout_
         if errors:
             raise RuntimeError("\n".join(f"rank {st['rank']}: {st['error']}" for st in errors))
         return [st["result"] for st in results]
+
+
+# -- the rank side of the CP lane -------------------------------------------------------------
+def local_inputs(case: Case, x, cp: int, rank: int):
+    """Rank ``rank``'s slice of the global inputs ``x`` (contiguous partition): its rows and
+    its owned compressed groups, as :func:`gpu_impl.cp.cp_csa_layer` takes them."""
+    from gpu_impl.cp import owned_group_counts
+    lay = case.layout()
+    L = lay.num_rows // cp
+    rows = slice(rank * L, (rank + 1) * L)
+    loc = {"kv": x["kv_raw"][rows]}
+    loc.update({k: x[k][rows] for k in ("q", "dout")})
+    loc.update({k: x[k][rows] for k in ("q_idx", "weights") if k in x})
+    if case.ratio:
+        counts = owned_group_counts(lay, cp, ratio=case.ratio)
+        g0 = sum(counts[:rank])
+        own = slice(g0, g0 + counts[rank])
+        loc["kv_cmp"] = x["kv_cmp"][own]
+        if "k_idx" in x:
+            loc["k_idx"] = x["k_idx"][own]
+    loc["sink"] = x["sink"]
+    return loc
+
+
+def run_layer(case: Case, loc, *, dtype_backward=True, deterministic=True, backend="torch",
+              layout=None, window=None, **overrides):
+    """Forward (and backward with ``dout`` and ``grad_loss = 1``) of the CP layer on this rank;
+    returns a dict of CPU tensors."""
+    from gpu_impl.cp import cp_csa_layer
+    leaves = {k: loc[k].detach().clone().requires_grad_(True)
+              for k in ("q", "kv", "sink", "kv_cmp", "q_idx", "weights", "k_idx") if k in loc}
+    csa = "q_idx" in loc
+    res = cp_csa_layer(leaves["q"], leaves["kv"], leaves["sink"],
+                       layout or case.layout(), window=window or case.window, ratio=case.ratio,
+                       kv_cmp=leaves.get("kv_cmp"), q_idx=leaves.get("q_idx"),
+                       k_idx=leaves.get("k_idx"), weights=leaves.get("weights"),
+                       topk=case.topk if csa else None, coeff=case.coeff if csa else 0.0,
+                       v_dim=case.v_dim, backend=backend, deterministic=deterministic,
+                       **overrides)
+    out = {f: getattr(res, f) for f in ("out", "lse", "ids", "lengths", "compressed_ids", "kl",
+                                         "target", "predict", "index_scores", "key_ids")}
+    out["loss"] = res.loss
+    out["backends"] = res.backends
+    if dtype_backward:
+        outs, grads = [res.out], [loc["dout"].to(res.out.dtype)]
+        if csa:
+            outs.append(res.loss)
+            grads.append(torch.ones((), dtype=res.loss.dtype))
+        torch.autograd.backward(outs, grads)
+        for k, t in leaves.items():
+            out["d" + k] = t.grad
+    return {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+
+
+def _sha(t: torch.Tensor) -> str:
+    import hashlib
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def rank_main(rank, world, jobs):
+    """Run the listed jobs on this rank; ``jobs`` is a list of (name, kind, params). Kinds:
+    ``layer`` (forward + backward, replayed ``replays`` times, inputs hashed before/after),
+    ``grad_modes`` (forward under no_grad / inference_mode / grad), ``invalid`` (a call that
+    must raise on every rank: returns the exception type and message)."""
+    import torch.distributed as dist
+    results = {}
+    for name, kind, p in jobs:
+        case = CASES[p["case"]]
+        x = make_inputs(case)
+        loc = local_inputs(case, x, world, rank)
+        if kind == "layer":
+            before = {k: _sha(v) for k, v in loc.items()}
+            runs = [run_layer(case, loc, deterministic=p.get("deterministic", True))
+                    for _ in range(p.get("replays", 1))]
+            after = {k: _sha(v) for k, v in loc.items()}
+            results[name] = dict(runs=runs, mutated=[k for k in before if before[k] != after[k]])
+        elif kind == "grad_modes":
+            modes = {}
+            for mode in ("grad", "no_grad", "inference_mode"):
+                ctx = {"grad": torch.enable_grad, "no_grad": torch.no_grad,
+                       "inference_mode": torch.inference_mode}[mode]
+                with ctx():
+                    modes[mode] = run_layer(case, loc, dtype_backward=False)
+            results[name] = modes
+        elif kind == "invalid":
+            bad = dict(loc)
+            kwargs = {}
+            what = p["what"]
+            if what == "rows_on_one_rank" and rank == world - 1:
+                bad["q"] = loc["q"][:-1]
+            elif what == "layout_disagrees" and rank == 0:
+                lay = case.layout()          # one real token fewer: same shapes, other layout
+                cu = lay.cu_seqlens.tolist()
+                cu[-1] -= 1
+                kwargs["layout"] = R.PackedLayout(cu, lay.cu_seqlens_padded.tolist(), lay.num_rows)
+            elif what == "declared_cp":
+                kwargs["cp"] = world + 1
+            elif what == "halo_longer_than_slice":
+                kwargs["window"] = lay_rows(case) // world + 1
+            elif what == "rows_not_divisible":
+                lay = case.layout()
+                kwargs["layout"] = R.PackedLayout(lay.cu_seqlens.tolist(),
+                                                  lay.cu_seqlens_padded.tolist(),
+                                                  lay.num_rows + 1)
+            elif what == "kv_cmp_rows" and rank == 0:
+                bad["kv_cmp"] = loc["kv_cmp"][:-1]
+            try:
+                run_layer(case, bad, **kwargs)
+                results[name] = None
+            except (TypeError, ValueError) as exc:
+                results[name] = (type(exc).__name__, str(exc))
+            # the group must still be usable afterwards
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert int(t) == world
+    return results
+
+
+def lay_rows(case):
+    return case.layout().num_rows

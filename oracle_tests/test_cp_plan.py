@@ -182,7 +182,7 @@ def _expected(case, plan, x, ref):
     if case.ratio == 4:
         kw = dict(compressed_ids=ref["compressed_ids"], index_scores=ref["scores"],
                   q_idx=x["q_idx"], k_idx=x["k_idx"], weights=x["weights"], coeff=case.coeff)
-    return cp_rank_expected(plan, q=x["q"], kv=x["kv"], kv_cmp=x["kv_cmp"], sink=x["sink"],
+    return cp_rank_expected(plan, q=x["q"], kv=x["kv_raw"], kv_cmp=x["kv_cmp"], sink=x["sink"],
                             ids=ref["ids"], lengths=ref["lengths"], dout=x["dout"],
                             v_dim=case.v_dim, **kw)
 
