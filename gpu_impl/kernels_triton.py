@@ -102,7 +102,7 @@ def _fwd_kernel(q_ptr, kv_ptr, ids_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
         m_i = m_new
     empty = l_i == 0.0
     lse2 = tl.where(empty, 0.0, m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-    sink2 = tl.load(sink_ptr + offs_h, mask=h_ok, other=float("-inf")) * LOG2E
+    sink2 = tl.load(sink_ptr + offs_h, mask=h_ok, other=float("-inf")) * 1.4426950408889634
     hi = tl.maximum(lse2, sink2)
     lo = tl.minimum(lse2, sink2)
     full2 = hi + tl.log2(1.0 + tl.exp2(lo - hi))          # logaddexp2(lse2, sink2)
@@ -112,7 +112,7 @@ def _fwd_kernel(q_ptr, kv_ptr, ids_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
     out_ptrs = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :]
     tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & v_ok[None, :])
     if pid_v == 0:
-        lse = tl.where(empty, float("inf"), lse2 * LN2)
+        lse = tl.where(empty, float("inf"), lse2 * 0.6931471805599453)
         tl.store(lse_ptr + t * H + offs_h, lse, mask=h_ok)
 
 

@@ -55,7 +55,7 @@ def test_replays_are_bitwise_identical(impl, case, replays):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS[1:])      # GPU lanes: where atomics could bite
 def test_stress_100_replays(impl):
     case = Case(name="stress", seed=44, coeff=0.2, heads=2, cu_seqlens=(0, 20, 32))
     x = {k: t.to(impl.device) for k, t in case.materialize().items()}

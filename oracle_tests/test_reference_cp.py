@@ -188,3 +188,75 @@ def test_wide_rows_are_bitwise_rank_and_chunk_independent():
                                           chunk_rows=chunk)
         for a, b in zip(got, (dq, dkv, dsink)):
             assert torch.equal(a, b), chunk
+
+
+def odd_attention_case(seed=12, T=20, H=3, D=67, S=45, K=33, dv=61):
+    """Row strides that are not multiples of 64 bytes, so chunk views start misaligned."""
+    g = torch.Generator().manual_seed(seed)
+    return dict(q=torch.randn(T, H, D, generator=g, dtype=torch.float64),
+                kv=torch.randn(S, D, generator=g, dtype=torch.float64),
+                ids=torch.randint(-3, S + 3, (T, K), generator=g),
+                sink=torch.randn(H, generator=g, dtype=torch.float64),
+                dout=torch.randn(T, H, dv, generator=g, dtype=torch.float64), v_dim=dv)
+
+
+def test_odd_strides_are_bitwise_chunk_and_rank_independent():
+    c = odd_attention_case()
+    args = (c["q"], c["kv"], c["ids"], c["sink"])
+    out, lse = R.sparse_attention_forward(*args, v_dim=c["v_dim"])
+    ref = R.sparse_attention_backward(*args, out, lse, c["dout"], v_dim=c["v_dim"])
+    for chunk in (1, 2, 3, 7):
+        o, l = R.sparse_attention_forward(*args, v_dim=c["v_dim"], chunk_rows=chunk)
+        assert torch.equal(o, out) and torch.equal(l, lse), chunk
+        got = R.sparse_attention_backward(*args, out, lse, c["dout"], v_dim=c["v_dim"],
+                                          chunk_rows=chunk)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), chunk
+    for r0, r1 in ((1, 4), (3, 17), (19, 20)):          # basic slices: views at odd offsets
+        o, l = R.sparse_attention_forward(c["q"][r0:r1], c["kv"], c["ids"][r0:r1], c["sink"],
+                                          v_dim=c["v_dim"])
+        assert torch.equal(o, out[r0:r1]) and torch.equal(l, lse[r0:r1])
+        d = R.sparse_attention_backward(c["q"][r0:r1], c["kv"], c["ids"][r0:r1], c["sink"], o, l,
+                                        c["dout"][r0:r1], v_dim=c["v_dim"])[0]
+        assert torch.equal(d, ref[0][r0:r1])
+
+
+def misaligned(x: torch.Tensor) -> torch.Tensor:
+    """The same values in a buffer that starts one element (8 bytes) past an aligned address."""
+    buf = torch.empty(x.numel() + 1, dtype=x.dtype)
+    view = buf[1:].view(x.shape)
+    view.copy_(x)
+    return view
+
+
+def strided(x: torch.Tensor) -> torch.Tensor:
+    """The same values with non-contiguous strides (every other element of a wider buffer)."""
+    buf = torch.empty(x.shape + (2,), dtype=x.dtype)
+    buf[..., 0] = x
+    return buf[..., 0]
+
+
+@pytest.mark.parametrize("relayout", [misaligned, strided])
+def test_bits_do_not_depend_on_the_callers_memory_layout(relayout):
+    case = CASES["csa-padded"]
+    x = build_case(case)
+    T = x.layout.num_rows
+    kw = dict(v_dim=case.v_dim, lengths=x.lengths)
+
+    def everything(q, kv, sink, dout, q_idx, k_idx, weights):
+        out, lse = R.sparse_attention_forward(q, kv, x.ids, sink, **kw)
+        grads = R.sparse_attention_backward(q, kv, x.ids, sink, out, lse, dout, **kw)
+        scores = R.indexer_scores(q_idx, k_idx, weights, x.layout, case.ratio)
+        loss = R.sparse_indexer_loss(q, kv[T:], sink, lse, x.cmp_ids, scores, x.layout,
+                                     coeff=case.coeff)
+        lgrads = [R.sparse_indexer_loss_grad(q_idx, k_idx, weights, x.cmp_ids, loss.target,
+                                             loss.predict, coeff=case.coeff,
+                                             num_real=loss.num_real, mode=m)
+                  for m in ("clipped", "autograd")]
+        return [out, lse, *grads, scores, loss.loss, loss.kl, loss.target, loss.predict,
+                *lgrads[0], *lgrads[1]]
+
+    inputs = (x.q, x.kv, x.sink, x.dout, x.q_idx, x.k_idx, x.weights)
+    want = everything(*inputs)
+    got = everything(*(relayout(t) for t in inputs))
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), i

@@ -14,7 +14,7 @@ import torch
 
 from ._checks import as_float64, as_index, as_int, as_real, check_dim
 from ._checks import chunk_rows as rows_per_chunk
-from ._reduce import fold_rows_into
+from ._reduce import fold_rows_into, row_bmm
 
 __all__ = ["sparse_attention_forward", "sparse_attention_backward", "valid_slots"]
 
@@ -51,7 +51,7 @@ def _inputs(q, kv, ids, sink, scale, v_dim, lengths):
 
 def _scores(q, kg, valid, scale):
     """Masked logits ``[n, H, K]``: ``scale * <q, kv[id]>`` on valid slots, -inf elsewhere."""
-    s = scale * torch.bmm(q, kg.transpose(1, 2))
+    s = scale * row_bmm(q, kg.transpose(1, 2))
     return s.masked_fill(~valid.unsqueeze(1), -INF)
 
 
@@ -94,7 +94,7 @@ def sparse_attention_forward(q, kv, ids, sink, *, scale=None, v_dim=None, length
         total = torch.where(has_key, total, torch.ones_like(total))  # no log(0) in autograd
         lse = torch.where(has_key, torch.log(total) + m.squeeze(-1), torch.full_like(total, INF))
         p = _probabilities(s, lse, sink)
-        outs.append(torch.bmm(p, kg[:, :, :dv]))
+        outs.append(row_bmm(p, kg[:, :, :dv]))
         lses.append(lse)
     if not outs:
         return torch.zeros((0, H, dv), dtype=torch.float64), torch.zeros((0, H), dtype=torch.float64)
@@ -137,11 +137,11 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
         p = _probabilities(s, l, sink).masked_fill(empty.unsqueeze(-1), 0.0)
         do = dout[r0:r1]
         delta = (do * out[r0:r1]).sum(dim=-1)                          # [n, H]
-        dp = torch.bmm(do, kg[:, :, :dv].transpose(1, 2))              # [n, H, K]
+        dp = row_bmm(do, kg[:, :, :dv].transpose(1, 2))              # [n, H, K]
         ds = p * (dp - delta.unsqueeze(-1))
-        dq[r0:r1] = scale * torch.bmm(ds, kg)
-        contrib = scale * torch.bmm(ds.transpose(1, 2), q[r0:r1])     # [n, K, D]
-        contrib[:, :, :dv] += torch.bmm(p.transpose(1, 2), do)
+        dq[r0:r1] = scale * row_bmm(ds, kg)
+        contrib = scale * row_bmm(ds.transpose(1, 2), q[r0:r1])     # [n, K, D]
+        contrib[:, :, :dv] += row_bmm(p.transpose(1, 2), do)
         flat = v.reshape(-1)
         fold_rows_into(dkv, ids[r0:r1].reshape(-1)[flat], contrib.reshape(n * K, D)[flat])
         # p_sink = exp(sink - logaddexp(lse, sink)) = sigmoid(sink - lse); 1 when sink = +inf.

@@ -7,6 +7,7 @@ import torch
 
 from ._checks import as_float64, as_int, as_real, check_dim
 from ._checks import chunk_rows as rows_per_chunk
+from ._reduce import row_bmm
 from .layout import PackedLayout
 
 __all__ = ["indexer_scores"]
@@ -48,8 +49,8 @@ def indexer_scores(q_idx, k_idx, weights, layout, ratio, *, scale=None, chunk_ro
         for s0 in range(r0, r0 + real, step):
             s1 = min(s0 + step, r0 + real)
             n = s1 - s0
-            z = torch.bmm(q[s0:s1], kb.t().unsqueeze(0).expand(n, DI, c1 - c0))  # [n, H_I, n_b]
-            sc = scale * torch.bmm(w[s0:s1].unsqueeze(1), torch.relu(z)).squeeze(1)  # [n, n_b]
+            z = row_bmm(q[s0:s1], kb.t().unsqueeze(0).expand(n, DI, c1 - c0))  # [n, H_I, n_b]
+            sc = scale * row_bmm(w[s0:s1].unsqueeze(1), torch.relu(z)).squeeze(1)  # [n, n_b]
             cols = torch.arange(c1 - c0).unsqueeze(0)
             visible = cols < vis[s0:s1].unsqueeze(1)
             out[s0:s1, c0:c1] = torch.where(visible, sc, torch.full_like(sc, -math.inf))

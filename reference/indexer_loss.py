@@ -8,7 +8,7 @@ import torch
 
 from ._checks import as_float64, as_index, as_int, as_real, check_dim, choice
 from ._checks import chunk_rows as rows_per_chunk
-from ._reduce import fold_rows_into, ordered_sum
+from ._reduce import fold_rows_into, ordered_sum, row_bmm
 from .layout import PackedLayout
 
 __all__ = ["IndexerLoss", "sparse_indexer_loss", "sparse_indexer_loss_grad"]
@@ -102,7 +102,7 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
         massive = v & torch.isfinite(f).all(dim=1, keepdim=True)       # rows with teacher mass
         kg = kc.index_select(0, safe[r0:r1].reshape(-1)).view(n, Kc, D)
         kg = kg.masked_fill(~v.unsqueeze(-1), 0.0)  # unselected rows (even NaN) never leak
-        log_a = scale * torch.bmm(q[r0:r1], kg.transpose(1, 2)) - f.unsqueeze(-1)  # [n,H,Kc]
+        log_a = scale * row_bmm(q[r0:r1], kg.transpose(1, 2)) - f.unsqueeze(-1)  # [n,H,Kc]
         log_a = log_a.masked_fill(~massive.unsqueeze(1), -INF)
         per_c = torch.logsumexp(log_a, dim=1)                              # [n, Kc]
         norm = torch.logsumexp(per_c, dim=1, keepdim=True)
@@ -123,8 +123,8 @@ def _indexer_logits(q, k, w, ids, valid, scale):
     safe = torch.where(valid, ids, torch.zeros_like(ids))
     kg = k.index_select(0, safe.reshape(-1)).view(T, Kc, DI)
     kg = kg.masked_fill(~valid.unsqueeze(-1), 0.0)  # unselected rows (even NaN) never leak
-    z = torch.bmm(q, kg.transpose(1, 2))
-    logits = scale * torch.bmm(w.unsqueeze(1), torch.relu(z)).squeeze(1)
+    z = row_bmm(q, kg.transpose(1, 2))
+    logits = scale * row_bmm(w.unsqueeze(1), torch.relu(z)).squeeze(1)
     return z, kg, logits
 
 
@@ -192,10 +192,10 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
         v = valid[r0:r1]
         z, kg, _ = _indexer_logits(q[r0:r1], k, w[r0:r1], ids[r0:r1], v, scale)
         gc = g[r0:r1]
-        dw[r0:r1] = scale * torch.bmm(torch.relu(z), gc.unsqueeze(-1)).squeeze(-1)
+        dw[r0:r1] = scale * row_bmm(torch.relu(z), gc.unsqueeze(-1)).squeeze(-1)
         gate = (z > 0).to(torch.float64) * (scale * w[r0:r1]).unsqueeze(-1) * gc.unsqueeze(1)
-        dq[r0:r1] = torch.bmm(gate, kg)                                   # [n, H_I, D_I]
-        contrib = torch.bmm(gate.transpose(1, 2), q[r0:r1])               # [n, Kc, D_I]
+        dq[r0:r1] = row_bmm(gate, kg)                                   # [n, H_I, D_I]
+        contrib = row_bmm(gate.transpose(1, 2), q[r0:r1])               # [n, Kc, D_I]
         flat = v.reshape(-1)
         fold_rows_into(dk, ids[r0:r1].reshape(-1)[flat], contrib.reshape(n * Kc, DI)[flat])
     return dq, dw, dk
