@@ -154,8 +154,8 @@ def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: li
                                       timeit(fwd_triton, reps), f_fwd, b_fwd,
                                       f"config {kt.FORWARD_CONFIG}"))
     if sweep:
-        for cfg in (dict(block_dv=512, num_warps=8), dict(block_dv=128, num_warps=4),
-                    dict(block_d=128, block_dv=256, num_warps=8)):
+        for cfg in (dict(num_stages=3), dict(block_n=32), dict(block_d=128),
+                    dict(num_warps=4), dict(block_dv=256)):
             attempt(f"fwd triton {cfg}", lambda cfg=cfg: row(
                 "attention fwd: Triton sweep", timeit(lambda: fwd_triton(**cfg), reps), f_fwd,
                 b_fwd, f"config {cfg}"))
@@ -209,8 +209,9 @@ def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: li
                                       timeit(bwd_triton, reps), f_bwd, b_bwd,
                                       f"config {kt.BACKWARD_CONFIG}"))
     if sweep:
-        for cfg in (dict(reduction="fixed"), dict(block_d=128), dict(programs=264),
-                    dict(reduction="fixed", num_warps=4)):
+        for cfg in (dict(num_stages=2), dict(num_stages=3), dict(num_warps=4, programs=264),
+                    dict(num_warps=4, programs=396), dict(block_d=256), dict(block_d=64),
+                    dict(reduction="fixed")):
             attempt(f"bwd triton {cfg}", lambda cfg=cfg: row(
                 "attention bwd: Triton sweep", timeit(lambda: bwd_triton(**cfg), reps), f_bwd,
                 b_bwd, f"config {cfg}"))
