@@ -291,7 +291,9 @@ def build_csa_indices(layout, *, window, ratio, compressed_ids=None, device=None
         check_dim(compressed_ids, "compressed_ids", 0, layout.num_rows, "layout.num_rows")
         if ratio == 0:
             raise ValueError("compressed_ids must be None for a window-only layer (ratio 0)")
-        if device is not None and torch.device(device) != compressed_ids.device:
+        want = None if device is None else torch.device(device)
+        if want is not None and (want.type != compressed_ids.device.type or (
+                want.index is not None and want.index != compressed_ids.device.index)):
             raise ValueError(f"device={device} differs from compressed_ids' device "
                              f"{compressed_ids.device}")
         dev = compressed_ids.device
@@ -617,8 +619,8 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
         dq[r0:r1] = _mm(gate, kg).to(q.dtype)
         contrib = _mm(gate.transpose(1, 2), q[r0:r1])                         # [n, Kc, D_I]
         flat = v.reshape(-1)
-        fixed_order_scatter_add(dk, safe.reshape(-1)[flat], contrib.reshape(n * Kc, DI)[flat],
-                                deterministic=deterministic)
+        fixed_order_scatter_add(dk, safe[r0:r1].reshape(-1)[flat],
+                                contrib.reshape(n * Kc, DI)[flat], deterministic=deterministic)
     return dq, dw, dk.to(k.dtype)
 
 

@@ -78,17 +78,21 @@ def content_hash(tensors: dict) -> dict:
 # --------------------------------------------------------------------------------------------
 # running an implementation
 # --------------------------------------------------------------------------------------------
-def run_impl(impl: Impl, case: Case, x: dict, *, deterministic: bool = True) -> dict:
+def run_impl(impl: Impl, case: Case, x: dict, *, deterministic: bool = True,
+             chunk_rows: int | None = None) -> dict:
     """The implementation's pipeline on ``x`` (tensors already on ``impl.device``): every output
-    of :data:`fixtures.pipeline.OUTPUT_NAMES` it has, on its device, plus ``backends``."""
+    of :data:`fixtures.pipeline.OUTPUT_NAMES` it has, on its device, plus ``backends``.
+    ``chunk_rows`` is passed to the ops that take it (row chunking of the implementation)."""
     b = dict(backend=impl.request, deterministic=deterministic)
+    c = {} if chunk_rows is None else dict(chunk_rows=chunk_rows)
     lay = case.layout()
     res: dict = {"backends": {}}
     cmp_ids = None
     if case.is_layer:
         if case.layer == "csa":
             if case.scores == "indexer":
-                sc = api.indexer_scores(x["q_idx"], x["k_idx"], x["weights"], lay, case.ratio, **b)
+                sc = api.indexer_scores(x["q_idx"], x["k_idx"], x["weights"], lay, case.ratio,
+                                        **b, **c)
                 res["backends"]["indexer_scores"] = sc.backend
                 scores = sc.scores
             else:
@@ -106,21 +110,22 @@ def run_impl(impl: Impl, case: Case, x: dict, *, deterministic: bool = True) -> 
     else:
         ids, att_lengths = x["ids"], x.get("lengths")
     fwd = api.sparse_attention_forward(x["q"], x["kv"], ids, x["sink"], v_dim=case.v_dim,
-                                       lengths=att_lengths, **b)
+                                       lengths=att_lengths, **b, **c)
     bwd = api.sparse_attention_backward(x["q"], x["kv"], ids, x["sink"], fwd.out, fwd.lse,
-                                        x["dout"], v_dim=case.v_dim, lengths=att_lengths, **b)
+                                        x["dout"], v_dim=case.v_dim, lengths=att_lengths,
+                                        **b, **c)
     res["backends"].update(sparse_attention_forward=fwd.backend,
                            sparse_attention_backward=bwd.backend)
     res.update(out=fwd.out, lse=fwd.lse, dq=bwd.dq, dkv=bwd.dkv, dsink=bwd.dsink)
     if case.is_layer and case.layer == "csa" and lay.num_real > 0:
         loss = api.sparse_indexer_loss(x["q"], x["kv_cmp"], x["sink"], fwd.lse, res["cmp_ids"],
-                                       res["scores"], lay, coeff=case.coeff, **b)
+                                       res["scores"], lay, coeff=case.coeff, **b, **c)
         res["backends"]["sparse_indexer_loss"] = loss.backend
         res.update(loss=loss.loss, kl=loss.kl, target=loss.target, predict=loss.predict)
         if case.scores == "indexer":
             g = api.sparse_indexer_loss_grad(x["q_idx"], x["k_idx"], x["weights"], res["cmp_ids"],
                                              loss.target, loss.predict, coeff=case.coeff,
-                                             num_real=lay.num_real, **b)
+                                             num_real=lay.num_real, **b, **c)
             res["backends"]["sparse_indexer_loss_grad"] = g.backend
             res.update(dq_idx=g.dq_idx, dw=g.dw, dk_idx=g.dk_idx)
     return res

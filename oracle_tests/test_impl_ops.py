@@ -70,6 +70,18 @@ def test_ops_against_oracle(impl, case):
     assert_verdicts(verdicts, f"{impl.id} {case} backends={got['backends']}")
 
 
+@pytest.mark.parametrize("case", [LAYER_CASES[0], LAYER_CASES[2], OP_CASES[0]], ids=lambda c: c.id)
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_ops_in_small_row_chunks(impl, case):
+    """The same checks with the implementation's rows processed 7 at a time (``chunk_rows``):
+    chunk boundaries cut documents, and every cross-row reduction spans several chunks."""
+    x = _on(impl, case.materialize())
+    got = run_impl(impl, case, x, chunk_rows=7)
+    if impl.backend == "cudnn" and "cudnn" not in got["backends"].values():
+        pytest.skip(f"the cuDNN backend runs none of this case's ops ({case})")
+    assert_verdicts(judge(impl, case, x, got), f"{impl.id} chunk_rows=7 {case}")
+
+
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_poisoned_rows_never_leak(impl):
     """NaN in every unselected key row: every output stays finite where the oracle's is, and
