@@ -7,10 +7,11 @@ as folding everything at once: the result does not depend on chunk sizes or on h
 split across CP ranks, as long as contributions arrive in global row order.
 (``oracle_tests/test_reference_reduce.py`` proves the fold against a Python left fold.)
 
-Every per-row product is :func:`row_bmm`: one GEMM per row on canonically placed operands, so a
-row's bits do not depend on which other rows are evaluated with it (``torch.bmm`` on the CPU
-does not promise that: MKL's batched GEMM picks kernels by batch size, batch position and
-operand address; ``oracle_tests/test_reference_cp.py`` has the shapes that showed it).
+Every per-row product is :func:`row_bmm`: a batched GEMM whose items are all 64-byte aligned, so
+a row's bits do not depend on which other rows are evaluated with it (plain ``torch.bmm`` on
+the CPU does not promise that: MKL's batched GEMM picks kernels by item address, which varies
+with the batch position when an item's size is not a multiple of 8 elements;
+``oracle_tests/test_reference_cp.py`` has the shapes that showed it).
 """
 from __future__ import annotations
 
@@ -30,27 +31,43 @@ def ordered_sum(x: torch.Tensor) -> torch.Tensor:
     return acc[0]
 
 
-def _canonical_operand(m: torch.Tensor) -> torch.Tensor:
-    """A 2-D GEMM operand at a 64-byte aligned address. A BLAS-native stride pattern (row- or
-    column-major with a leading dimension) at another address is copied into a fresh buffer
-    with the same strides, so the GEMM path (and hence the bits) depends only on the shapes
-    and the stride pattern, which are the same for every row. Other patterns are copied by
-    ``torch.mm`` itself into fresh (aligned) buffers."""
-    s0, s1 = m.stride()
-    native = (s1 == 1 and s0 >= max(1, m.shape[1])) or (s0 == 1 and s1 >= max(1, m.shape[0]))
-    if native and m.numel() and m.data_ptr() % 64:
-        fresh = torch.empty_strided(tuple(m.shape), m.stride(), dtype=m.dtype)
-        fresh.copy_(m)
-        return fresh
-    return m
+
+_ALIGN = 8  # float64 elements per 64 bytes
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _aligned_batch(x: torch.Tensor, cols: int) -> torch.Tensor:
+    """``x [n, r, c]`` as a batch of row- or column-major items, each at a 64-byte aligned
+    address, with ``cols >= c`` columns (zero-padded). Copies only when ``x`` is not already so."""
+    n, r, c = x.shape
+    items = (x.stride(2) == 1 and x.stride(1) == c) or (x.stride(1) == 1 and x.stride(2) == r)
+    if (cols == c and items and x.data_ptr() % 64 == 0
+            and (n == 1 or x.stride(0) % _ALIGN == 0)):
+        return x
+    stride = _round_up(max(r * cols, 1), _ALIGN)
+    buf = (torch.empty if cols == c else torch.zeros)((n, stride), dtype=x.dtype)
+    out = buf[:, : r * cols].view(n, r, cols)
+    out[:, :, :c] = x
+    return out
 
 
 def row_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``torch.bmm(a, b)`` with row-independent bits: batch element ``i`` is one ``torch.mm`` of
-    canonically placed ``a[i]`` and ``b[i]``, whatever the batch size and position.
-    Differentiable (used by the gradchecks)."""
-    n = a.shape[0]
+    """``torch.bmm(a, b)`` whose batch element ``i`` has the same bits whatever the batch size,
+    its position in the batch and the operands' addresses.
+
+    MKL's batched GEMM (the path ``torch.bmm`` takes for float64 on the CPU) picks kernels by
+    the alignment of every item's A, B and C pointers. Here every item of A and B starts on a
+    64-byte boundary and B's columns are zero-padded to a multiple of 8, so every item of the
+    (contiguous) result starts on one too; the shapes, strides and alignment then being the same
+    for every row, so are the bits. Differentiable (used by the gradchecks).
+    """
+    n, _, inner = a.shape
+    cols = b.shape[2]
     if n == 0:
-        return torch.zeros((0, a.shape[1], b.shape[2]), dtype=torch.result_type(a, b))
-    return torch.stack([torch.mm(_canonical_operand(a[i]), _canonical_operand(b[i]))
-                        for i in range(n)])
+        return torch.zeros((0, a.shape[1], cols), dtype=torch.result_type(a, b))
+    padded = _round_up(max(cols, 1), _ALIGN)
+    out = torch.bmm(_aligned_batch(a, inner), _aligned_batch(b, padded))
+    return out if padded == cols else out[:, :, :cols]
