@@ -76,7 +76,8 @@ class CPLayerResult(NamedTuple):
     predict: torch.Tensor | None   # [L, Kc] float32 student on the selected slots (CSA)
     index_scores: torch.Tensor | None     # [L, cp*cap] float32 over gathered slots (CSA)
     key_ids: torch.Tensor          # [S] int64 CPU: logical key id of every physical slot, -1 unused
-    backends: dict                 # op name -> backend that ran it
+    backends: dict                 # op name -> backend that ran it (the backward's ops are
+                                   # added to this same dict when the backward runs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -531,6 +532,7 @@ class _CPLayerFn(torch.autograd.Function):
                                             dout.to(q.dtype).contiguous(), scale=cfg["scale"],
                                             v_dim=cfg["v_dim"], lengths=lengths, backend=be,
                                             deterministic=det)
+        st["ran"]["sparse_attention_backward"] = bwd.backend
         dkeys = bwd.dkv
         c0 = geo.d_win + geo.L
         # Halo rows: back to the previous rank, added after the owner's own contribution.
@@ -554,6 +556,7 @@ class _CPLayerFn(torch.autograd.Function):
                 num_real=cfg["num_real"], grad_loss=float(dloss) if dloss is not None else 0.0,
                 scale=cfg["index_scale"], mode=cfg["grad_mode"], backend=be, deterministic=det)
             dq_idx, dw = g.dq_idx, g.dw
+            st["ran"]["sparse_indexer_loss_grad"] = g.backend
             dk_idx = _return_to_owners(group, geo, g.dk_idx, n_own, det).to(ctx.k_dtype)
         return bwd.dq, dkv, dsink, dkv_cmp, dq_idx, dw, dk_idx, None
 
@@ -603,4 +606,4 @@ def cp_csa_layer(q, kv, sink, layout, *, window, ratio, group=None, cp=None, kv_
     out, lse, loss = _CPLayerFn.apply(q, kv, sink, kv_cmp, q_idx, weights, k_idx, st)
     aux = st.pop("aux")
     return CPLayerResult(out, loss, lse, aux["ids"], aux["lengths"], aux["slots"], aux["kl"],
-                         aux["target"], aux["predict"], aux["scores"], geo.key_ids, dict(ran))
+                         aux["target"], aux["predict"], aux["scores"], geo.key_ids, ran)

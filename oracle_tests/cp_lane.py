@@ -20,15 +20,18 @@ import torch
 import reference as R
 from fixtures.case import Case
 
-__all__ = ["CASES", "make_inputs", "oracle_cp1", "spawn", "local_inputs", "rank_main"]
+__all__ = ["CASES", "gather_ranks", "make_inputs", "oracle_cp1", "spawn", "local_inputs",
+           "rank_main"]
 
 
 def _case(name, ratio, seed, layout=None, **kw):
     layer = "window" if ratio == 0 else ("csa" if ratio == 4 else "hca")
     lay = dict(_BOUNDARY if layout is None else layout)
-    return Case(name=name, seed=seed, **lay, heads=2, head_dim=8, v_dim=6, window=4,
-                ratio=ratio, topk=3, index_heads=2, index_dim=4, layer=layer, coeff=0.3,
-                dtype=kw.pop("dtype", "float32"), categories=("cp",), **kw)
+    shape = dict(heads=2, head_dim=8, v_dim=6, window=4, topk=3, index_heads=2, index_dim=4,
+                 coeff=0.3, dtype="float32")
+    shape.update(kw)
+    return Case(name=name, seed=seed, **lay, ratio=ratio, layer=layer, categories=("cp",),
+                **shape)
 
 
 # T = 64: rank boundaries at 32 (cp 2) and 16/32/48 (cp 4). Document 0 crosses 16 and ends
@@ -46,6 +49,13 @@ CASES = {
     "window": _case("cp-window", 0, 3),
     "csa_zigzag": _case("cp-csa-zigzag", 4, 4, _ZIGZAG),
     "csa_bf16": _case("cp-csa-bf16", 4, 5, dtype="bfloat16"),
+    # DSv4-Flash head shapes at T = 1024 (GPU lane): the cp-2 boundary (row 512) lies inside
+    # document 2, so the 128-row halo is used; an empty document and tail padding.
+    "flash_1k": _case("cp-flash-1k", 4, 6, dict(cu_seqlens=(0, 300, 300, 800, 990),
+                                                 cu_seqlens_padded=(0, 320, 320, 832, 1024),
+                                                 num_rows=1024),
+                      heads=64, head_dim=512, v_dim=512, window=128, topk=64, index_heads=64,
+                      index_dim=128, coeff=0.01, dtype="bfloat16"),
 }
 
 
@@ -88,12 +98,50 @@ def oracle_cp1(case: Case, x):
     return res
 
 
+# -- gathering the ranks' results into the cp=1 form ------------------------------------------
+def gather_ranks(case, cp, runs):
+    """The ranks' results (one dict per rank, rank order) as one cp=1 result dict."""
+    lay = case.layout()
+    T = lay.num_rows
+    plans = R.cp_plans(lay, cp, window=case.window, ratio=case.ratio)
+    got = {}
+    ids = []
+    for r in runs:
+        phys = r["ids"].to(torch.int64)
+        ids.append(torch.where(phys >= 0, r["key_ids"][phys.clamp_min(0)], -1))
+    got["ids"] = torch.cat(ids)
+    for k in ("lengths", "out", "lse", "dq"):
+        got[k] = torch.cat([r[k] for r in runs])
+    dkv = [torch.cat([r["dkv"] for r in runs])]
+    if case.ratio:
+        dkv.append(torch.cat([r["dkv_cmp"] for r in runs]))
+    got["dkv"] = torch.cat(dkv)
+    got["dsink"] = runs[0]["dsink"]
+    if case.layer == "csa":
+        slot_to_cid = torch.full((cp * plans[0].cmp_capacity,), -1, dtype=torch.int64)
+        slot_to_cid[plans[0].group_slot] = torch.arange(lay.num_compressed(case.ratio))
+        cids = []
+        for r in runs:
+            s = r["compressed_ids"].to(torch.int64)
+            cids.append(torch.where(s >= 0, slot_to_cid[s.clamp_min(0)], -1))
+        got["cmp_ids"] = torch.cat(cids).to(torch.int32)
+        got["cmp_lengths"] = (got["cmp_ids"] >= 0).sum(dim=1).to(torch.int32)
+        got["scores"] = torch.cat([r["index_scores"][:, plans[0].group_slot] for r in runs])
+        got["loss"] = runs[0]["loss"]
+        for k in ("kl", "target", "predict", "dq_idx", "dweights"):
+            got[k.replace("dweights", "dw")] = torch.cat([r[k] for r in runs])
+        got["dk_idx"] = torch.cat([r["dk_idx"] for r in runs])
+    return got, plans
+
+
 # -- spawner ---------------------------------------------------------------------------------
 def _entry(rank, world, fn, args, init_file, result_dir, backend, timeout_s):
     import torch.distributed as dist
     torch.set_num_threads(1)
     status = {"rank": rank}
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
@@ -193,7 +241,7 @@ def run_layer(case: Case, loc, *, dtype_backward=True, deterministic=True, backe
         outs, grads = [res.out], [loc["dout"].to(res.out.dtype)]
         if csa:
             outs.append(res.loss)
-            grads.append(torch.ones((), dtype=res.loss.dtype))
+            grads.append(torch.ones((), dtype=res.loss.dtype, device=res.loss.device))
         torch.autograd.backward(outs, grads)
         for k, t in leaves.items():
             out["d" + k] = t.grad
@@ -215,10 +263,14 @@ def rank_main(rank, world, jobs):
     for name, kind, p in jobs:
         case = CASES[p["case"]]
         x = make_inputs(case)
-        loc = local_inputs(case, x, world, rank)
+        device = p.get("device", "cpu")
+        device = f"cuda:{rank}" if device == "cuda" else device
+        backend = p.get("backend", "torch")
+        loc = {k: v.to(device) for k, v in local_inputs(case, x, world, rank).items()}
         if kind == "layer":
             before = {k: _sha(v) for k, v in loc.items()}
-            runs = [run_layer(case, loc, deterministic=p.get("deterministic", True))
+            runs = [run_layer(case, loc, deterministic=p.get("deterministic", True),
+                              backend=backend)
                     for _ in range(p.get("replays", 1))]
             after = {k: _sha(v) for k, v in loc.items()}
             results[name] = dict(runs=runs, mutated=[k for k in before if before[k] != after[k]])
@@ -228,7 +280,7 @@ def rank_main(rank, world, jobs):
                 ctx = {"grad": torch.enable_grad, "no_grad": torch.no_grad,
                        "inference_mode": torch.inference_mode}[mode]
                 with ctx():
-                    modes[mode] = run_layer(case, loc, dtype_backward=False)
+                    modes[mode] = run_layer(case, loc, dtype_backward=False, backend=backend)
             results[name] = modes
         elif kind == "invalid":
             bad = dict(loc)
@@ -253,12 +305,12 @@ def rank_main(rank, world, jobs):
             elif what == "kv_cmp_rows" and rank == 0:
                 bad["kv_cmp"] = loc["kv_cmp"][:-1]
             try:
-                run_layer(case, bad, **kwargs)
+                run_layer(case, bad, backend=backend, **kwargs)
                 results[name] = None
             except (TypeError, ValueError) as exc:
                 results[name] = (type(exc).__name__, str(exc))
             # the group must still be usable afterwards
-            t = torch.ones(1)
+            t = torch.ones(1, device=device)
             dist.all_reduce(t)
             assert int(t) == world
     return results

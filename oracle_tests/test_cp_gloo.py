@@ -22,9 +22,10 @@ import torch
 
 import reference as R
 from dsv4_oracle.compare import compare_exact
+from dsv4_oracle.compare import compare_exact as exact
 
-from .cp_lane import CASES, make_inputs, rank_main, spawn
-from .impl_harness import TORCH_CPU, assert_verdicts, exact, judge
+from .cp_lane import CASES, gather_ranks, make_inputs, rank_main, spawn
+from .impl_harness import TORCH_CPU, assert_checks, judge
 
 pytestmark = pytest.mark.xdist_group("cp_gloo")
 
@@ -50,50 +51,14 @@ def lane(request):
     return cp, spawn(rank_main, cp, _jobs(cp, replays), deadline_s=120.0)
 
 
-# -- gathering the ranks' results into the cp=1 form ------------------------------------------
-def _gather(case, cp, runs):
-    """The ranks' results (one dict per rank, rank order) as one cp=1 result dict."""
-    lay = case.layout()
-    T = lay.num_rows
-    plans = R.cp_plans(lay, cp, window=case.window, ratio=case.ratio)
-    got = {}
-    ids = []
-    for r in runs:
-        phys = r["ids"].to(torch.int64)
-        ids.append(torch.where(phys >= 0, r["key_ids"][phys.clamp_min(0)], -1))
-    got["ids"] = torch.cat(ids)
-    for k in ("lengths", "out", "lse", "dq"):
-        got[k] = torch.cat([r[k] for r in runs])
-    dkv = [torch.cat([r["dkv"] for r in runs])]
-    if case.ratio:
-        dkv.append(torch.cat([r["dkv_cmp"] for r in runs]))
-    got["dkv"] = torch.cat(dkv)
-    got["dsink"] = runs[0]["dsink"]
-    if case.layer == "csa":
-        slot_to_cid = torch.full((cp * plans[0].cmp_capacity,), -1, dtype=torch.int64)
-        slot_to_cid[plans[0].group_slot] = torch.arange(lay.num_compressed(case.ratio))
-        cids = []
-        for r in runs:
-            s = r["compressed_ids"].to(torch.int64)
-            cids.append(torch.where(s >= 0, slot_to_cid[s.clamp_min(0)], -1))
-        got["cmp_ids"] = torch.cat(cids).to(torch.int32)
-        got["cmp_lengths"] = (got["cmp_ids"] >= 0).sum(dim=1).to(torch.int32)
-        got["scores"] = torch.cat([r["index_scores"][:, plans[0].group_slot] for r in runs])
-        got["loss"] = runs[0]["loss"]
-        for k in ("kl", "target", "predict", "dq_idx", "dweights"):
-            got[k.replace("dweights", "dw")] = torch.cat([r[k] for r in runs])
-        got["dk_idx"] = torch.cat([r["dk_idx"] for r in runs])
-    return got, plans
-
-
 @pytest.mark.parametrize("name", LAYER_JOBS)
 def test_gathered_results_match_cp1_oracle(lane, name):
     cp, results = lane
     case = CASES[name]
     runs = [res[name]["runs"][0] for res in results]
-    got, _ = _gather(case, cp, runs)
+    got, _ = gather_ranks(case, cp, runs)
     x = make_inputs(case)
-    assert_verdicts(judge(TORCH_CPU, case, x, got), f"{case.id} cp={cp}")
+    assert_checks(judge(TORCH_CPU, case, x, got), f"{case.id} cp={cp}")
 
 
 @pytest.mark.parametrize("name", LAYER_JOBS)
@@ -103,7 +68,7 @@ def test_rank_physical_layout_matches_oracle_plan(lane, name):
     cp, results = lane
     case = CASES[name]
     runs = [res[name]["runs"][0] for res in results]
-    got, plans = _gather(case, cp, runs)
+    got, plans = gather_ranks(case, cp, runs)
     lay = case.layout()
     ref_ids, ref_len = R.build_csa_indices(
         lay, window=case.window, ratio=case.ratio,
@@ -124,9 +89,11 @@ def test_rank_physical_layout_matches_oracle_plan(lane, name):
         if case.layer == "csa":
             verdicts.append(exact("compressed slots" + tag, run["compressed_ids"],
                                   plan.compressed_to_slots(got["cmp_ids"][rows])))
-            verdicts.append(exact("loss equal on every rank" + tag, run["loss"], runs[0]["loss"]))
-        verdicts.append(exact("dsink equal on every rank" + tag, run["dsink"], runs[0]["dsink"]))
-    assert_verdicts(verdicts, f"{case.id} cp={cp}")
+            verdicts.append(exact("loss equal on every rank" + tag, run["loss"], runs[0]["loss"],
+                                  bitwise=True))
+        verdicts.append(exact("dsink equal on every rank" + tag, run["dsink"], runs[0]["dsink"],
+                              bitwise=True))
+    assert_checks(verdicts, f"{case.id} cp={cp}")
 
 
 @pytest.mark.parametrize("name", ["csa", "csa_bf16"])
@@ -168,8 +135,8 @@ def test_nondeterministic_mode_is_still_correct(lane):
         pytest.skip("run for cp=2 only (keeps the lane short)")
     case = CASES["csa"]
     runs = [res["csa_nondet"]["runs"][0] for res in results]
-    got, _ = _gather(case, cp, runs)
-    assert_verdicts(judge(TORCH_CPU, case, make_inputs(case), got), f"{case.id} nondet")
+    got, _ = gather_ranks(case, cp, runs)
+    assert_checks(judge(TORCH_CPU, case, make_inputs(case), got), f"{case.id} nondet")
 
 
 @pytest.mark.parametrize("what", INVALID)
@@ -191,7 +158,7 @@ def test_checks_detect_cp_mistakes(lane):
     cp, results = lane
     case = CASES["csa_zigzag"]          # rank boundaries inside documents: halos are used
     runs = [res["csa_zigzag"]["runs"][0] for res in results]
-    got, plans = _gather(case, cp, runs)
+    got, plans = gather_ranks(case, cp, runs)
     x = make_inputs(case)
     r = next(p.rank for p, run in zip(plans, runs)
              if p.rank and bool(((run["ids"] >= 0) & (run["ids"] < p.num_halo)).any()))
@@ -201,13 +168,13 @@ def test_checks_detect_cp_mistakes(lane):
     lost = dict(got)
     lost["dkv"] = got["dkv"].clone()
     lost["dkv"][referenced] = 0
-    bad = [v for v in judge(TORCH_CPU, case, x, lost) if not v.ok]
+    bad = [v for v in judge(TORCH_CPU, case, x, lost) if not v.passed]
     assert [v.name for v in bad] == ["dkv"], bad
     shifted = run["ids"].clone()
     shifted[halo] -= 1
     want = plan.to_physical(got["ids"][plan.rows])
-    assert exact("physical ids", run["ids"], want).ok
-    assert not exact("physical ids", shifted, want).ok
+    assert exact("physical ids", run["ids"], want).passed
+    assert not exact("physical ids", shifted, want).passed
 
 
 def _hang(rank, world):
