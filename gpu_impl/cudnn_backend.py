@@ -648,8 +648,8 @@ def _grad_route(q, w, mode: str, grad_floor: float, deterministic: bool):
         return "cudnn", "cudnn.indexer_backward_wrapper (d_weights/d_index_k not repeatable on SM90)"
     if major == 10 and HI in (32, 64):
         return "cudnn", "cudnn.indexer_backward_wrapper(deterministic=True) (SM100)"
-    return "hybrid", ("cudnn.indexer_backward_wrapper for dq_idx + torch_backend fixed-order "
-                      "dw/dk_idx")
+    return "hybrid", ("cudnn.indexer_backward_wrapper for dq_idx + dense fixed-order dw/dk_idx "
+                      "(torch_backend's sorted path if a row repeats an id)")
 
 
 @_no_grad
@@ -722,10 +722,69 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
             deterministic=det_kernel)
     dq = res["d_index_q"][0].to(q.dtype)
     if route == "hybrid":
+        fast = _dense_indexer_grads(q, k, w, ids, valid, tau, p_in, coeff / n_real * grad_loss,
+                                    scale, e)
+        if fast is not None:
+            return dq, fast[0], fast[1]
         _, dw, dk = torch_backend.sparse_indexer_loss_grad(q, k, w, ids, tau, p_in,
                                                            deterministic=True, **kwargs)
         return dq, dw, dk
     return dq, res["d_weights"][0].to(w.dtype), res["d_index_k"][0].to(k.dtype)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched product, exact bf16/fp16 products accumulated in float32; float32 result."""
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in HALF:
+        return torch.bmm(a, b, out_dtype=F32)
+    return torch.bmm(a.to(F32), b.to(F32))
+
+
+def _dense_indexer_grads(q, k, w, ids, valid, tau, p_in, gs, scale, e, budget=1 << 28):
+    """Deterministic ``dw`` and ``dk_idx`` of the clipped indexer-loss gradient (section 8)
+    without atomics, for rows whose valid ids are distinct (Top-K rows always are; ``None``
+    otherwise, and the caller uses the torch backend's sorted fixed-order path).
+
+    Per chunk of rows: ``z = q_idx k_idx[ids]^T`` (float32 accumulation), ``gI`` in float32,
+    ``dw = scale sum_c gI relu(z)``, the gate rounded once to bf16 (as cuDNN does), the per-slot
+    ``dk`` contributions (float32) written to a dense ``[rows, C, D_I]`` buffer (each target
+    written once: ids are distinct within a row) and summed over rows by ``torch.sum`` (a
+    fixed reduction tree for a given shape); chunks are added in row order. The bits depend only
+    on the inputs and the chunk size (a fixed budget), never on thread timing."""
+    T, HI, DI = q.shape
+    C, Kc = k.shape[0], ids.shape[1]
+    big = torch.iinfo(torch.int64).max
+    srt = torch.sort(torch.where(valid, ids.to(torch.int64), torch.full_like(ids, big,
+                                                                         dtype=torch.int64)),
+                     dim=1)[0]
+    if Kc > 1 and bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != big)).any()):
+        return None
+    dev = q.device
+    safe = torch.where(valid, ids, torch.zeros_like(ids)).to(torch.int64)
+    t32 = tau.to(F32)
+    p32 = p_in.to(F32)
+    tm = torch.where(valid & (p32 >= e), torch.clamp_min(t32, e), torch.zeros_like(t32))
+    g = gs * (p32 * tm.sum(dim=1, keepdim=True) - tm)
+    g = torch.where(valid, g, torch.zeros_like(g))                       # gI [T, Kc]
+    wf = w.to(F32) * scale
+    dw = torch.empty_like(w)
+    dk = torch.zeros((C, DI), dtype=F32, device=dev)
+    step = max(1, budget // max(1, C * DI * 4 + Kc * (HI + DI) * 8))
+    for r0 in range(0, T, step):
+        r1 = min(r0 + step, T)
+        n = r1 - r0
+        v = valid[r0:r1]
+        kg = k.index_select(0, safe[r0:r1].reshape(-1)).view(n, Kc, DI)
+        kg = kg.masked_fill(~v.unsqueeze(-1), 0)
+        z = _mm(q[r0:r1], kg.transpose(1, 2))                           # [n, H_I, Kc]
+        gc = g[r0:r1]
+        dw[r0:r1] = ((torch.relu(z) * gc.unsqueeze(1)).sum(dim=-1) * scale).to(w.dtype)
+        gate = ((z > 0).to(F32) * wf[r0:r1].unsqueeze(-1) * gc.unsqueeze(1)).to(q.dtype)
+        contrib = _mm(gate.transpose(1, 2), q[r0:r1])                   # [n, Kc, D_I]
+        dense = torch.zeros((n, C + 1, DI), dtype=F32, device=dev)
+        col = torch.where(v, safe[r0:r1], torch.full_like(safe[r0:r1], C))
+        dense.scatter_(1, col.unsqueeze(-1).expand(n, Kc, DI), contrib)
+        dk += dense[:, :C].sum(dim=0)
+    return dw, dk.to(k.dtype)
 
 
 # --------------------------------------------------------------------------------------------

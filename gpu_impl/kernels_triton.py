@@ -45,8 +45,8 @@ LN2 = 0.6931471805599453
 TILE = 64            # key rows per plane tile (tile table granularity)
 
 # Default launch parameters (chosen by bench/bench_gpu.py on the H200; see docs/CUDNN.md).
-FORWARD_CONFIG = dict(block_n=64, block_d=64, block_dv=512, num_warps=8, num_stages=2)
-BACKWARD_CONFIG = dict(block_n=64, block_d=128, programs_per_sm=1, num_warps=8, num_stages=1,
+FORWARD_CONFIG = dict(block_n=64, block_d=64, block_dv=512, num_warps=8, num_stages=3)
+BACKWARD_CONFIG = dict(block_n=64, block_d=128, programs_per_sm=1, num_warps=8, num_stages=3,
                        reduction="planes")
 
 

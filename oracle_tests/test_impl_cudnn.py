@@ -24,12 +24,27 @@ import pytest
 import torch
 
 import reference as R
+from dsv4_oracle.compare import compare_numeric
 from fixtures.case import Case
 from gpu_impl import api
 from reference import error_model as EM
 
-from .impl_harness import (CUDNN_CUDA, assert_verdicts, bounded, content_hash, judge,
-                           run_impl)
+from .impl_harness import CUDNN_CUDA, content_hash, judge, run_impl
+
+
+def bounded(name, got, want, bound):
+    return compare_numeric(name, got, want, bound)
+
+
+def assert_verdicts(checks, label: str = "") -> None:
+    """Fail with every failing check (numeric rows: error/bound ratios), print the table."""
+    def ok(c):
+        return c.passed if hasattr(c, "passed") else c.ok
+    table = "\n".join(f"  {'ok ' if ok(c) else 'BAD'} {c.kind:8s} {c.name:44s} "
+                      f"ratio={c.ratio}  {c.detail}" for c in checks)
+    print(f"{label}\n{table}")
+    bad = [c for c in checks if not ok(c)]
+    assert not bad, f"{label}: {len(bad)} check(s) failed\n{table}"
 
 
 
