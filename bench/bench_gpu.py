@@ -264,7 +264,7 @@ def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: li
         return
     for det in (False, True):
         attempt(f"loss grad det={det}", lambda det=det: row(
-            f"indexer loss grad: {'hybrid cuDNN dq + torch fixed-order dw/dk' if det else 'cuDNN (atomics)'}",
+            f"indexer loss grad: {'deterministic (cuDNN dq + dense fixed-order dw/dk)' if det else 'cuDNN default (atomics)'}",
             timeit(lambda: cb.sparse_indexer_loss_grad(
                 q_idx, k_idx, w, cmp_ids, loss.target, loss.predict, coeff=0.01,
                 num_real=T, deterministic=det), max(3, reps // 2))))
