@@ -14,30 +14,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fixtures
+from dsv4_oracle import compare as C
 from fixtures.case import Case
 from gpu_impl import api
 
-from .impl_harness import IMPLEMENTATIONS, content_hash, run_impl
+from .impl_harness import IMPLEMENTATIONS, run_impl
 
-_DOCS = dict(cu_seqlens=(0, 37, 37, 90), cu_seqlens_padded=(0, 40, 40, 96), num_rows=100)
-REPLAY_CASES = [
-    Case(name="csa", seed=41, coeff=0.3, sink="mixed", heads=5, **_DOCS),
-    Case(name="csa-zero-ties", seed=42, index_inputs="zero_ties", topk=3, **_DOCS),
-    Case(name="op-duplicates", seed=43, ids="duplicates", lengths="full", cu_seqlens=(0, 64)),
-]
-
-
-def replay_differences(run, replays: int) -> dict:
-    """Call ``run()`` ``replays`` times; return ``{output name: number of replays whose bits
-    differ from the first}`` (empty when every replay is bitwise identical)."""
-    first = content_hash(run())
-    diffs: dict = {}
-    for _ in range(replays - 1):
-        h = content_hash(run())
-        for k in set(first) | set(h):
-            if first.get(k) != h.get(k):
-                diffs[k] = diffs.get(k, 0) + 1
-    return diffs
+# layouts with every edge, exact zero ties, duplicate ids (colliding scatter terms), and the
+# public grad-mode parity shape (H 64, D 512, W 32, K 64)
+REPLAY_CASES = [fixtures.get(n) for n in ("padding-edge-layout", "zero-score-ties",
+                                           "duplicate-ids", "public-det-parity")]
 
 
 def _outputs(impl, case, x, deterministic=True):
@@ -50,8 +37,8 @@ def _outputs(impl, case, x, deterministic=True):
 def test_replays_are_bitwise_identical(impl, case, replays):
     assert replays >= 2, "--replays must be at least 2"
     x = {k: t.to(impl.device) for k, t in case.materialize().items()}
-    diffs = replay_differences(lambda: _outputs(impl, case, x), replays)
-    assert not diffs, f"{impl.id} {case.id}: outputs differ across {replays} replays: {diffs}"
+    r = C.check_replays(lambda: _outputs(impl, case, x), replays)
+    assert r.passed, f"{impl.id} {case.id}: {r.detail}"
 
 
 @pytest.mark.slow
@@ -59,28 +46,25 @@ def test_replays_are_bitwise_identical(impl, case, replays):
 def test_stress_100_replays(impl):
     case = Case(name="stress", seed=44, coeff=0.2, heads=2, cu_seqlens=(0, 20, 32))
     x = {k: t.to(impl.device) for k, t in case.materialize().items()}
-    diffs = replay_differences(lambda: _outputs(impl, case, x), 100)
-    assert not diffs, f"{impl.id}: outputs differ across 100 replays: {diffs}"
+    r = C.check_replays(lambda: _outputs(impl, case, x), 100)
+    assert r.passed, f"{impl.id}: {r.detail}"
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_grad_mode_parity(impl):
-    """Identical bits in no_grad, inference_mode and grad-enabled calls, for inputs that require
-    grad in the last case (the ops never record autograd history)."""
+    """Identical bits under grad-enabled, no_grad and inference_mode calls, with float inputs
+    that require grad (the ops never record autograd history)."""
     case = REPLAY_CASES[0]
-    x = {k: t.to(impl.device) for k, t in case.materialize().items()}
-    with torch.no_grad():
-        a = content_hash(_outputs(impl, case, x))
-    with torch.inference_mode():
-        b = content_hash(_outputs(impl, case, x))
-    xg = {k: (t.clone().requires_grad_(True) if t.is_floating_point() else t)
-          for k, t in x.items()}
-    with torch.enable_grad():
-        outs = _outputs(impl, case, xg)
+    x = {k: (t.to(impl.device).requires_grad_(True) if t.is_floating_point() else t.to(impl.device))
+         for k, t in case.materialize().items()}
+
+    def run():
+        outs = _outputs(impl, case, x)
         assert not any(t.requires_grad for t in outs.values()), \
             "op-level results must not record autograd history (use gpu_impl.layer)"
-        c = content_hash(outs)
-    assert a == b == c, {k: (a[k] == b.get(k), a[k] == c.get(k)) for k in a}
+        return outs
+    r = C.check_grad_mode_parity(run)
+    assert r.passed, f"{impl.id}: {r.detail}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,7 +82,8 @@ def test_replay_check_detects_a_nondeterministic_reduction():
         acc = torch.zeros(1)
         acc.index_add_(0, torch.zeros(vals.numel(), dtype=torch.int64), vals[perm])
         return {"sum": acc}
-    assert replay_differences(run, 5).get("sum", 0) >= 1
+    r = C.check_replays(run, 5)
+    assert not r.passed and "sum" in r.detail, r.detail
 
 
 def _contended_attention(device, heads=16, dim=64, rows=4096, keys=32, width=64, seed=6):
@@ -126,13 +111,13 @@ def test_torch_backend_cuda_atomics_are_detected(deterministic, replays):
         r = api.sparse_attention_backward(q, kv, ids, sink, fwd.out, fwd.lse, dout,
                                           backend="torch", deterministic=deterministic)
         return {"dq": r.dq, "dkv": r.dkv, "dsink": r.dsink}
-    n = max(replays, 10) if not deterministic else replays
-    diffs = replay_differences(run, n)
-    print(f"torch backend on CUDA, deterministic={deterministic}: differing replays {diffs}")
+    r = C.check_replays(run, max(replays, 10) if not deterministic else replays)
+    print(f"torch backend on CUDA, deterministic={deterministic}: {r.detail}")
     if deterministic:
-        assert not diffs
+        assert r.passed, r.detail
     else:
-        assert diffs.get("dkv", 0) >= 1, "the replay check did not see the atomics' effect"
+        assert not r.passed and "dkv" in r.extra["differing"].__repr__(), \
+            f"the replay check did not see the atomics' effect: {r.detail}"
 
 
 @pytest.mark.gpu
@@ -159,11 +144,11 @@ def test_cudnn_sm90_backward_atomics_are_detected(deterministic, replays):
         r = api.sparse_attention_backward(q, kv, ids, sink, fwd.out, fwd.lse, dout,
                                           backend="cudnn", deterministic=deterministic)
         return {"dq": r.dq, "dkv": r.dkv, "dsink": r.dsink}
-    n = max(replays, 5) if not deterministic else replays
-    diffs = replay_differences(run, n)
-    print(f"cuDNN SM90 backward, deterministic={deterministic}: differing replays {diffs}")
+    r = C.check_replays(run, max(replays, 5) if not deterministic else replays)
+    print(f"cuDNN SM90 backward, deterministic={deterministic}: {r.detail}")
     if deterministic:
-        assert not diffs
+        assert r.passed, r.detail
     else:
-        assert diffs.get("dkv", 0) + diffs.get("dsink", 0) >= 1, \
-            "the replay check did not see the SM90 atomics' effect"
+        differing = repr(r.extra["differing"])
+        assert not r.passed and ("dkv" in differing or "dsink" in differing), \
+            f"the replay check did not see the SM90 atomics' effect: {r.detail}"

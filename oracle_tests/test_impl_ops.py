@@ -12,50 +12,40 @@ import pytest
 import torch
 
 import reference as R
+import fixtures
+from dsv4_oracle import compare as C
 from fixtures.case import Case
 from gpu_impl import api, torch_backend
 from reference import error_model as EM
 
-from .impl_harness import (IMPLEMENTATIONS, TORCH_CPU, assert_verdicts, bounded, content_hash,
-                           exact, judge, run_impl)
+from .impl_harness import IMPLEMENTATIONS, TORCH_CPU, assert_checks, content_hash, judge, run_impl
 
-_DOCS = dict(cu_seqlens=(0, 37, 37, 90), cu_seqlens_padded=(0, 40, 40, 96), num_rows=100)
 
-# Small cases: packed documents with padding, an empty document and capacity rows, every layer
-# kind, sink modes, v_dim < D, both Top-K orders, exact zero ties and signed zeros, float32,
-# NaN-poisoned unselected rows; op-level hostile ids and lengths.
-LAYER_CASES = [
-    Case(name="csa", seed=1, coeff=0.3, **_DOCS),
-    Case(name="csa-sink-mixed", seed=2, heads=5, sink="mixed", **_DOCS),
-    Case(name="csa-vdim", seed=3, head_dim=48, v_dim=32, order="score", **_DOCS),
-    Case(name="csa-zero-ties", seed=4, index_inputs="zero_ties", topk=3, **_DOCS),
-    Case(name="csa-signed-zeros", seed=5, scores="signed_zeros", topk=3, **_DOCS),
-    Case(name="csa-fp32-no-lengths", seed=6, dtype="float32", lengths="none", **_DOCS),
-    Case(name="csa-poison", seed=7, poison=True, **_DOCS),
-    Case(name="csa-sink-pos-inf", seed=8, sink="pos_inf", cu_seqlens=(0, 24, 48)),
-    Case(name="csa-sink-large", seed=9, sink="large", cu_seqlens=(0, 24, 48)),
-    Case(name="hca", seed=10, layer="hca", ratio=8, **_DOCS),
-    Case(name="window", seed=11, layer="window", ratio=0, sink="neg_inf", **_DOCS),
-]
-OP_CASES = [
-    Case(name="op-hostile-mixed", seed=20, ids="hostile", lengths="mixed", cu_seqlens=(0, 48)),
-    Case(name="op-all-invalid", seed=21, ids="all_invalid", lengths="none", cu_seqlens=(0, 48)),
-    Case(name="op-duplicates", seed=22, ids="duplicates", lengths="full", cu_seqlens=(0, 48),
-         index_dtype="int64"),
-    Case(name="op-negative-lengths", seed=23, ids="hostile", lengths="negative",
-         cu_seqlens=(0, 48)),
-    Case(name="op-above-width", seed=24, ids="hostile", lengths="above_width",
-         cu_seqlens=(0, 48), index_dtype="int64"),
-    Case(name="op-poison", seed=25, ids="hostile", lengths="mixed", poison=True,
-         cu_seqlens=(0, 48)),
-]
+
+def _dedupe(cases):
+    """Catalog cases that differ in what a single-device implementation computes: the CP
+    variants of one layout (same inputs, only ``cp``/``cp_mode`` differ) run once."""
+    seen, out = set(), []
+    for c in cases:
+        key = c.replace(name="", seed=0, cp=1, cp_mode="contiguous").to_json()
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+# Every catalog category (fixtures.CATEGORIES): layouts, ties, hostile ids and lengths, sinks,
+# poison, layer kinds, dtypes, policies, DSv4 shapes, public test shapes.
+CASES = _dedupe(fixtures.catalog())
+CHUNK_CASES = [fixtures.get(n) for n in ("padding-edge-layout", "v-dim-smaller",
+                                          "hostile-ids-mixed-lengths")]
 
 
 def _on(impl, x):
     return {k: t.to(impl.device) for k, t in x.items()}
 
 
-@pytest.mark.parametrize("case", LAYER_CASES + OP_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_ops_against_oracle(impl, case):
     x = _on(impl, case.materialize())
@@ -67,10 +57,10 @@ def test_ops_against_oracle(impl, case):
     verdicts = judge(impl, case, x, got)
     for name in ("out", "lse", "dq", "dkv", "dsink"):
         assert got[name].device.type == torch.device(impl.device).type
-    assert_verdicts(verdicts, f"{impl.id} {case} backends={got['backends']}")
+    assert_checks(verdicts, f"{impl.id} {case} backends={got['backends']}")
 
 
-@pytest.mark.parametrize("case", [LAYER_CASES[0], LAYER_CASES[2], OP_CASES[0]], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_ops_in_small_row_chunks(impl, case):
     """The same checks with the implementation's rows processed 7 at a time (``chunk_rows``):
@@ -79,14 +69,14 @@ def test_ops_in_small_row_chunks(impl, case):
     got = run_impl(impl, case, x, chunk_rows=7)
     if impl.backend == "cudnn" and "cudnn" not in got["backends"].values():
         pytest.skip(f"the cuDNN backend runs none of this case's ops ({case})")
-    assert_verdicts(judge(impl, case, x, got), f"{impl.id} chunk_rows=7 {case}")
+    assert_checks(judge(impl, case, x, got), f"{impl.id} chunk_rows=7 {case}")
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_poisoned_rows_never_leak(impl):
     """NaN in every unselected key row: every output stays finite where the oracle's is, and
     equals the implementation's result on the same inputs with the poison replaced by zeros."""
-    case = [c for c in LAYER_CASES if c.poison][0]
+    case = fixtures.get("nan-poison-layer")
     x = _on(impl, case.materialize())
     clean = dict(x)
     for k in ("kv", "kv_raw", "kv_cmp", "k_idx"):
@@ -111,7 +101,8 @@ def test_q_rms_norm(impl):
     assert content_hash({"q": q}) == before
     ref = R.q_rms_norm(q)
     prec = impl.precision(torch.bfloat16)
-    assert_verdicts([bounded("q_rms_norm", res.q, ref, EM.q_rms_norm_bound(q, ref, precision=prec))],
+    assert_checks([C.compare_numeric("q_rms_norm", res.q, ref,
+                                     EM.q_rms_norm_bound(q, ref, precision=prec))],
                     f"{impl.id} q_rms_norm backend={res.backend}")
     qt = q.transpose(0, 1).contiguous().transpose(0, 1)           # same values, other strides
     assert torch.equal(api.q_rms_norm(qt, backend=impl.request).q, res.q)
@@ -230,7 +221,7 @@ def test_fixed_order_scatter_add_is_a_pairwise_tree_in_index_order():
 
 
 def test_default_backend_on_cpu_is_torch():
-    case = LAYER_CASES[0]
+    case = fixtures.get("padding-edge-layout")
     x = case.materialize()
     got = run_impl(TORCH_CPU, case, x)
     assert set(got["backends"].values()) == {"torch"}
