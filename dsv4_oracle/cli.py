@@ -19,6 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("selfcheck", help="prove the float64 oracle against itself on built-in cases")
     p.add_argument("-v", "--verbose", action="store_true", help="print details of every check")
     p.set_defaults(func=_selfcheck)
+    from .check import add_parser as add_check_parser
+    add_check_parser(sub)
     return parser
 
 

@@ -1,0 +1,290 @@
+"""The adapter protocol: how ``dsv4-oracle check`` (and the pytest suite) call an implementation.
+
+An *adapter* is any object (a module, an instance, or a class/factory that makes one) with
+some of these callables, named and called exactly like the float64 oracle's functions
+(``reference``), positional arguments first:
+
+====================================  ===========================================================
+op (contract section)                 call -> return (first fields; more are ignored)
+====================================  ===========================================================
+``indexer_scores`` (7)                ``(q_idx, k_idx, weights, layout, ratio)`` -> ``scores [T,C]``
+``stable_topk`` (4)                   ``(scores, k, *, order)`` -> ``(ids [T,K], lengths [T])``
+``build_csa_indices`` (5)             ``(layout, *, window, ratio, compressed_ids)`` -> ``(ids, lengths)``
+``sparse_attention_forward`` (6)      ``(q, kv, ids, sink, *, v_dim, lengths)`` -> ``(out, lse)``
+``sparse_attention_backward`` (6)     ``(q, kv, ids, sink, out, lse, dout, *, v_dim, lengths)``
+                                      -> ``(dq, dkv, dsink)``
+``sparse_indexer_loss`` (8)           ``(q, kv_cmp, sink, lse, compressed_ids, index_scores,
+                                      layout, *, coeff)`` -> ``(loss, kl, target, predict)``
+``sparse_indexer_loss_grad`` (8)      ``(q_idx, k_idx, weights, compressed_ids, target, predict,
+                                      *, coeff, num_real)`` -> ``(dq_idx, dw, dk_idx)``
+``csa_layer`` (4-8, the packed layer) the signature of :func:`gpu_impl.layer.csa_layer`; returns
+                                      an object with ``out, loss, lse, ids, lengths`` and, for a
+                                      CSA layer, ``compressed_ids, compressed_lengths,
+                                      index_scores, indexer_loss`` (``kl, target, predict``)
+====================================  ===========================================================
+
+``layout`` is a :class:`reference.PackedLayout` (``cu_seqlens``, ``cu_seqlens_padded``,
+``num_rows``, ...); ids are in the logical key space of section 2. Tensors arrive on the
+adapter's ``device`` in the case's dtype; results may be any dtype on any device. A result that
+carries a ``backend`` attribute (as :mod:`gpu_impl.api` results do) is recorded in the report.
+
+Optional attributes: ``name`` (str), ``device`` (``"cpu"`` by default), ``precision`` (a
+:class:`reference.error_model.Precision`, or a callable ``dtype -> Precision``; the default is
+float32 accumulation and statistics with outputs stored in the input dtype), ``ops`` (the
+tuple of op names the adapter claims; each must be callable) and ``unavailable()`` (``None``, or
+a one-line reason why the adapter cannot run on this machine).
+
+An adapter may implement any subset: the runner feeds every op the oracle's result for the ops
+the adapter lacks (rounded as a kernel would store it) and judges only what the adapter
+computed. Built in: ``reference`` (the oracle itself: every ratio must be exactly 0, a self-test
+of the runner), ``gpu_impl:torch`` (the portable backend), ``gpu_impl:cudnn`` (cuDNN/Triton
+kernels where they run the op's shapes, the torch backend for the rest, on CUDA). A user's own
+adapter is named ``module:attr`` or ``module`` (the current directory is importable).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+
+from reference.error_model import ORACLE_PRECISION, Precision
+
+__all__ = [
+    "OPS", "LAYER_OP", "ALL_OPS", "BUILTIN", "AdapterError", "Adapter", "load_adapter",
+    "default_impl", "default_precision", "GpuImplAdapter",
+]
+
+# the op-level protocol, in pipeline order
+OPS = ("indexer_scores", "stable_topk", "build_csa_indices", "sparse_attention_forward",
+       "sparse_attention_backward", "sparse_indexer_loss", "sparse_indexer_loss_grad")
+LAYER_OP = "csa_layer"
+ALL_OPS = OPS + (LAYER_OP,)
+BUILTIN = ("reference", "gpu_impl:torch", "gpu_impl:cudnn")
+
+
+class AdapterError(Exception):
+    """An adapter cannot be loaded or cannot run here; the message is one line for the user."""
+
+
+def default_precision(dtype: torch.dtype) -> Precision:
+    """Working precision of a typical kernel (section 12): float32 accumulation and statistics,
+    operands and outputs stored in the input dtype when it is a 16-bit float, else float32."""
+    io = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+    return Precision(acc=torch.float32, io=io, stats=torch.float32)
+
+
+class Adapter:
+    """A loaded implementation: the object providing the ops plus what the runner needs to know.
+
+    ``ops``: the op names it provides (in :data:`ALL_OPS` order); ``op(name)`` the callable.
+    """
+
+    def __init__(self, target: Any, *, name: str, device: str | None = None,
+                 precision: Precision | Callable | None = None, spec: str | None = None):
+        self.target = target
+        self.name = name
+        self.spec = spec or name
+        self.device = str(device if device is not None else getattr(target, "device", "cpu"))
+        self._precision = precision if precision is not None else getattr(target, "precision",
+                                                                           None)
+        declared = getattr(target, "ops", None)
+        if isinstance(declared, (tuple, list, set, frozenset)):
+            declared = tuple(declared)
+            unknown = [o for o in declared if o not in ALL_OPS]
+            if unknown:
+                raise AdapterError(f"adapter {self.spec} declares unknown ops {unknown}; the "
+                                   f"protocol's ops are {', '.join(ALL_OPS)}")
+            missing = [o for o in declared if not callable(getattr(target, o, None))]
+            if missing:
+                raise AdapterError(f"adapter {self.spec} declares op {missing[0]} but has no "
+                                   f"callable attribute {missing[0]!r}")
+            self.ops = tuple(o for o in ALL_OPS if o in declared)
+        else:
+            self.ops = tuple(o for o in ALL_OPS if callable(getattr(target, o, None)))
+        if not self.ops:
+            raise AdapterError(f"adapter {self.spec} provides none of the ops "
+                               f"({', '.join(ALL_OPS)})")
+
+    def op(self, name: str) -> Callable:
+        return getattr(self.target, name)
+
+    def has(self, name: str) -> bool:
+        return name in self.ops
+
+    def precision(self, dtype: torch.dtype) -> Precision:
+        p = self._precision
+        if p is None:
+            return default_precision(dtype)
+        if isinstance(p, Precision):
+            return p
+        got = p(dtype)
+        if not isinstance(got, Precision):
+            raise AdapterError(f"adapter {self.spec}: precision({dtype}) returned "
+                               f"{type(got).__name__}, expected reference.error_model.Precision")
+        return got
+
+    def unavailable(self) -> str | None:
+        """Why the adapter cannot run here (``None`` when it can)."""
+        dev = self.device
+        try:
+            d = torch.device(dev)
+        except (RuntimeError, TypeError) as exc:
+            return f"adapter {self.spec}: device {dev!r} is not a torch device ({exc})"
+        if d.type == "cuda" and not torch.cuda.is_available():
+            return (f"{self.spec} runs on CUDA, and this machine has no usable CUDA device "
+                    "(torch.cuda.is_available() is False); on a CPU machine use "
+                    "--impl gpu_impl:torch")
+        fn = getattr(self.target, "unavailable", None)
+        if callable(fn):
+            why = fn()
+            if why:
+                return f"{self.spec}: {why}"
+        return None
+
+    def describe(self) -> dict:
+        return {"spec": self.spec, "name": self.name, "device": self.device,
+                "ops": list(self.ops)}
+
+
+# ---------------------------------------------------------------------------------------------
+# built-in adapters
+# ---------------------------------------------------------------------------------------------
+class GpuImplAdapter:
+    """:mod:`gpu_impl` as an adapter: every op through :mod:`gpu_impl.api` with one ``backend``
+    request (``"torch"``, or ``"auto"`` for cuDNN: cuDNN/Triton where its kernels take the op's
+    shapes, the torch backend for the rest; each result says which ran), plus the packed layer
+    :func:`gpu_impl.layer.csa_layer`."""
+
+    ops = ALL_OPS
+
+    def __init__(self, backend: str = "torch", device: str = "cpu", deterministic: bool = True,
+                 chunk_rows: int | None = None):
+        from gpu_impl import api
+        self._api = api
+        self.backend = backend
+        self.request = "torch" if backend == "torch" else "auto"
+        self.device = device
+        self.deterministic = deterministic
+        self.chunk_rows = chunk_rows          # row chunking of the ops that take it
+        self.name = f"gpu_impl:{backend}"
+
+    def unavailable(self):
+        if self.backend == "cudnn":
+            if importlib.util.find_spec("cudnn") is None:
+                return ("the cuDNN frontend is not installed (pip install -e '.[gpu]'); "
+                        "use --impl gpu_impl:torch")
+        return None
+
+    def _kw(self, chunked: bool = True):
+        kw = dict(backend=self.request, deterministic=self.deterministic)
+        if chunked and self.chunk_rows is not None:
+            kw["chunk_rows"] = self.chunk_rows
+        return kw
+
+    def indexer_scores(self, q_idx, k_idx, weights, layout, ratio):
+        return self._api.indexer_scores(q_idx, k_idx, weights, layout, ratio, **self._kw())
+
+    def stable_topk(self, scores, k, *, order="id"):
+        return self._api.stable_topk(scores, k, order=order, **self._kw(False))
+
+    def build_csa_indices(self, layout, *, window, ratio, compressed_ids=None):
+        return self._api.build_csa_indices(layout, window=window, ratio=ratio,
+                                           compressed_ids=compressed_ids, device=self.device,
+                                           **self._kw(False))
+
+    def sparse_attention_forward(self, q, kv, ids, sink, *, v_dim=None, lengths=None):
+        return self._api.sparse_attention_forward(q, kv, ids, sink, v_dim=v_dim, lengths=lengths,
+                                                  **self._kw())
+
+    def sparse_attention_backward(self, q, kv, ids, sink, out, lse, dout, *, v_dim=None,
+                                  lengths=None):
+        return self._api.sparse_attention_backward(q, kv, ids, sink, out, lse, dout, v_dim=v_dim,
+                                                   lengths=lengths, **self._kw())
+
+    def sparse_indexer_loss(self, q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, *,
+                            coeff):
+        return self._api.sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores,
+                                             layout, coeff=coeff, **self._kw())
+
+    def sparse_indexer_loss_grad(self, q_idx, k_idx, weights, compressed_ids, target, predict, *,
+                                 coeff, num_real):
+        return self._api.sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target,
+                                                  predict, coeff=coeff, num_real=num_real,
+                                                  **self._kw())
+
+    def csa_layer(self, *args, **kwargs):
+        from gpu_impl.layer import csa_layer
+        kwargs.setdefault("backend", self.request)
+        kwargs.setdefault("deterministic", self.deterministic)
+        return csa_layer(*args, **kwargs)
+
+
+def default_impl() -> str:
+    """The embedded default: ``gpu_impl:cudnn`` on a machine with a CUDA device, else
+    ``gpu_impl:torch`` (on the CPU)."""
+    return "gpu_impl:cudnn" if torch.cuda.is_available() else "gpu_impl:torch"
+
+
+def _builtin(spec: str, device: str | None) -> Adapter:
+    if spec == "reference":
+        import reference
+        return Adapter(reference, name="reference", device=device or "cpu",
+                       precision=ORACLE_PRECISION, spec=spec)
+    backend = spec.split(":", 1)[1]
+    if device is None:
+        device = "cuda" if (backend == "cudnn" or torch.cuda.is_available()) else "cpu"
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise AdapterError(f"--device {device!r} is not a torch device ({exc})") from None
+    if backend == "cudnn" and kind != "cuda":
+        raise AdapterError(f"gpu_impl:cudnn runs on CUDA, not on {device!r}; use "
+                           "--impl gpu_impl:torch for the CPU")
+    return Adapter(GpuImplAdapter(backend, device), name=spec, device=device, spec=spec)
+
+
+def load_adapter(spec: str, device: str | None = None) -> Adapter:
+    """The adapter named ``spec``: a built-in (:data:`BUILTIN`), ``module:attr`` or ``module``.
+
+    ``attr`` may be dotted. A class is instantiated with no arguments; a function that provides
+    no op is called with no arguments and must return the adapter object. ``device`` overrides
+    the adapter's own. Raises :class:`AdapterError` (one line) when anything is wrong.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise AdapterError("--impl must name an adapter: reference, gpu_impl:torch, "
+                           "gpu_impl:cudnn, or module:attr")
+    spec = spec.strip()
+    if spec in BUILTIN:
+        return _builtin(spec, device)
+    if spec.startswith("gpu_impl:"):
+        raise AdapterError(f"unknown built-in {spec!r}; built-ins are {', '.join(BUILTIN)}")
+    module_name, _, attr = spec.partition(":")
+    if not module_name or (":" in spec and not attr):
+        raise AdapterError(f"--impl {spec!r} is not of the form module:attr")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)          # the user's own adapter lives beside them
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as exc:             # any failure while importing the user's module
+        raise AdapterError(f"cannot import module {module_name!r} for --impl {spec}: "
+                           f"{type(exc).__name__}: {exc}") from None
+    for part in attr.split(".") if attr else ():
+        if not hasattr(obj, part):
+            raise AdapterError(f"module {module_name!r} has no attribute {attr!r} "
+                               f"(--impl {spec})")
+        obj = getattr(obj, part)
+    provides = any(callable(getattr(obj, o, None)) for o in ALL_OPS)
+    if isinstance(obj, type) or (callable(obj) and not provides):
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise AdapterError(f"--impl {spec}: calling {attr or module_name}() to make the "
+                               f"adapter failed: {type(exc).__name__}: {exc}") from None
+    name = getattr(obj, "name", None)
+    name = name if isinstance(name, str) and name else spec
+    return Adapter(obj, name=name, device=device, spec=spec)

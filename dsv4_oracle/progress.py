@@ -1,0 +1,76 @@
+"""A live progress bar for ``dsv4-oracle check`` on stderr.
+
+It draws only when the stream is a terminal (and not with ``--no-progress``), redraws one line
+in place, and erases it when done, so that stdout (the summary table) and logs of CI runs stay
+clean. No threads: it is redrawn at the start and end of every case.
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+
+__all__ = ["ProgressBar", "progress_enabled"]
+
+
+def progress_enabled(stream=None, disabled: bool = False) -> bool:
+    """True when a progress bar should be drawn on ``stream`` (default stderr)."""
+    stream = sys.stderr if stream is None else stream
+    if disabled:
+        return False
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def _clock(s: float) -> str:
+    s = max(0, int(round(s)))
+    return f"{s // 60}:{s % 60:02d}"
+
+
+class ProgressBar:
+    """``[#######------]  12/33  sink-mixed  0:21 elapsed ~0:35 left  1 failing``."""
+
+    def __init__(self, total: int, *, enabled: bool = True, stream=None, label: str = "check"):
+        self.total = max(int(total), 0)
+        self.enabled = enabled
+        self.stream = sys.stderr if stream is None else stream
+        self.label = label
+        self.done = 0
+        self.failing = 0
+        self.t0 = time.perf_counter()
+        self._width = 0
+
+    def __call__(self, event: str, case, outcome) -> None:
+        """The :func:`dsv4_oracle.runner.run_check` callback."""
+        if event == "done":
+            self.done += 1
+            self.failing += int(outcome is not None and not outcome.passed)
+        self.draw(case.id if event == "start" else "")
+
+    def line(self, current: str = "") -> str:
+        cols = shutil.get_terminal_size((100, 20)).columns
+        elapsed = time.perf_counter() - self.t0
+        frac = self.done / self.total if self.total else 1.0
+        left = (f" ~{_clock(elapsed / self.done * (self.total - self.done))} left"
+                if self.done else "")
+        fail = f"  {self.failing} failing" if self.failing else ""
+        tail = f" {self.done}/{self.total}  {current}  {_clock(elapsed)}{left}{fail}"
+        bar_w = max(10, min(40, cols - len(self.label) - len(tail) - 6))
+        fill = int(round(frac * bar_w))
+        line = f"{self.label} [{'#' * fill}{'-' * (bar_w - fill)}]{tail}"
+        return line[:cols - 1]
+
+    def draw(self, current: str = "") -> None:
+        if not self.enabled:
+            return
+        text = self.line(current)
+        pad = " " * max(0, self._width - len(text))
+        self.stream.write("\r" + text + pad)
+        self.stream.flush()
+        self._width = len(text)
+
+    def close(self) -> None:
+        if self.enabled and self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self.stream.flush()
+            self._width = 0
