@@ -100,7 +100,8 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
         v = valid[r0:r1]
         f = full[r0:r1]
         massive = v & torch.isfinite(f).all(dim=1, keepdim=True)       # rows with teacher mass
-        kg = kc.index_select(0, safe[r0:r1].reshape(-1)).view(n, Kc, D)
+        src = kc if C else kc.new_zeros((1, D))  # no compressed key: every slot is invalid
+        kg = src.index_select(0, safe[r0:r1].reshape(-1)).view(n, Kc, D)
         kg = kg.masked_fill(~v.unsqueeze(-1), 0.0)  # unselected rows (even NaN) never leak
         log_a = scale * row_bmm(q[r0:r1], kg.transpose(1, 2)) - f.unsqueeze(-1)  # [n,H,Kc]
         log_a = log_a.masked_fill(~massive.unsqueeze(1), -INF)
@@ -108,7 +109,8 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
         norm = torch.logsumexp(per_c, dim=1, keepdim=True)
         norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
         tau = torch.where(massive, torch.exp(per_c - norm), torch.zeros_like(per_c))
-        p = _masked_softmax(torch.gather(scores[r0:r1], 1, safe[r0:r1]), massive)
+        sc = scores[r0:r1] if C else scores.new_zeros((n, 1))  # C = 0: every slot is invalid
+        p = _masked_softmax(torch.gather(sc, 1, safe[r0:r1]), massive)
         target[r0:r1] = tau
         predict[r0:r1] = p
         kl[r0:r1] = _kl(tau, p, massive, floor)
@@ -121,7 +123,8 @@ def _indexer_logits(q, k, w, ids, valid, scale):
     T, HI, DI = q.shape
     Kc = ids.shape[1]
     safe = torch.where(valid, ids, torch.zeros_like(ids))
-    kg = k.index_select(0, safe.reshape(-1)).view(T, Kc, DI)
+    src = k if k.shape[0] else k.new_zeros((1, DI))  # no compressed key: every slot is invalid
+    kg = src.index_select(0, safe.reshape(-1)).view(T, Kc, DI)
     kg = kg.masked_fill(~valid.unsqueeze(-1), 0.0)  # unselected rows (even NaN) never leak
     z = row_bmm(q, kg.transpose(1, 2))
     logits = scale * row_bmm(w.unsqueeze(1), torch.relu(z)).squeeze(1)
