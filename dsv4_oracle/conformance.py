@@ -306,6 +306,21 @@ def _tagged(res: CheckResult, quantity: str) -> CheckResult:
     return dataclasses.replace(res, extra={**res.extra, "quantity": quantity})
 
 
+def _numeric(name: str, actual, expected, bound) -> CheckResult:
+    """:func:`compare_numeric`, plus a diagnosis when it fails: if ``-actual`` is within the
+    bound everywhere, the detail says so (a flipped sign is the likeliest cause)."""
+    res = compare_numeric(name, actual, expected, bound)
+    if res.passed or res.ratio is None or not math.isfinite(res.ratio) or \
+            tuple(actual.shape) != tuple(expected.shape):
+        return res
+    neg = compare_numeric(name, -actual.detach().to("cpu", F64), expected, bound)
+    if neg.passed:
+        return dataclasses.replace(
+            res, detail=res.detail + "; -actual is within the bound everywhere: a flipped sign?",
+            extra={**res.extra, "hint": "sign"})
+    return res
+
+
 def _key(*parts):
     """A cache key from tensors (content hashes) and plain values."""
     out = []
@@ -379,7 +394,7 @@ def judge(case, x: dict, got: dict, *, precision: EM.Precision, consumed: dict |
                     xc["q_idx"], xc["k_idx"], xc["weights"], lay, case.ratio, s_o,
                     precision=prec), xc["q_idx"], xc["k_idx"], xc["weights"])
                 if "scores" in got:
-                    v.append(_tagged(compare_numeric("scores", got["scores"], s_o, b_s), "scores"))
+                    v.append(_tagged(_numeric("scores", got["scores"], s_o, b_s), "scores"))
             else:
                 s_o = xc["index_scores"].to(F64)
             scores = cpu(con.get("scores", got.get("scores")))
@@ -431,8 +446,8 @@ def judge(case, x: dict, got: dict, *, precision: EM.Precision, consumed: dict |
         b_out, b_lse = memo("fwd_bound", lambda: EM.attention_forward_bound(
             q, kv, ids_c, sink, out_o, lse_o, precision=prec, v_dim=case.v_dim, lengths=len_c),
             q, kv, ids_c, sink, len_c)
-        v.append(_tagged(compare_numeric("out", got["out"], out_o, b_out), "out"))
-        v.append(_tagged(compare_numeric("lse", got["lse"], lse_o, b_lse), "lse"))
+        v.append(_tagged(_numeric("out", got["out"], out_o, b_out), "out"))
+        v.append(_tagged(_numeric("lse", got["lse"], lse_o, b_lse), "lse"))
         g_out, g_lse = cpu(got["out"]), cpu(got["lse"])
         if g_out.shape == out_o.shape:
             v.append(_tagged(compare_exact("sink-only rows: out == 0", g_out[empty],
@@ -455,9 +470,9 @@ def judge(case, x: dict, got: dict, *, precision: EM.Precision, consumed: dict |
         b_dq, b_dkv, b_ds = memo("bwd_bound", lambda: EM.attention_backward_bound(
             q, kv, ids_c, sink, out_i, lse_i, dout, dq_o, dkv_o, ds_o, precision=prec,
             v_dim=case.v_dim, lengths=len_c), q, kv, ids_c, sink, out_i, lse_i, dout, len_c)
-        v.append(_tagged(compare_numeric("dq", got["dq"], dq_o, b_dq), "dq"))
-        v.append(_tagged(compare_numeric("dkv", got["dkv"], dkv_o, b_dkv), "dkv"))
-        v.append(_tagged(compare_numeric("dsink", got["dsink"], ds_o, b_ds), "dsink"))
+        v.append(_tagged(_numeric("dq", got["dq"], dq_o, b_dq), "dq"))
+        v.append(_tagged(_numeric("dkv", got["dkv"], dkv_o, b_dkv), "dkv"))
+        v.append(_tagged(_numeric("dsink", got["dsink"], ds_o, b_ds), "dsink"))
         g_dq = cpu(got["dq"])
         if g_dq.shape == dq_o.shape:
             v.append(_tagged(compare_exact("sink-only rows: dq == 0", g_dq[empty],
@@ -475,7 +490,7 @@ def judge(case, x: dict, got: dict, *, precision: EM.Precision, consumed: dict |
                 q, xc["kv_cmp"], sink, lse_i, cmp, scores, lay, L, coeff=case.coeff,
                 precision=prec), q, xc["kv_cmp"], sink, lse_i, cmp, scores, case.coeff)
             for name in ("loss", "kl", "target", "predict"):
-                v.append(_tagged(compare_numeric(name, got[name], getattr(L, name),
+                v.append(_tagged(_numeric(name, got[name], getattr(L, name),
                                                  getattr(LB, name)), name))
         if "dq_idx" in got:
             tgt, prd = cpu(con["target"]), cpu(con["predict"])
@@ -488,6 +503,6 @@ def judge(case, x: dict, got: dict, *, precision: EM.Precision, consumed: dict |
                 num_real=lay.num_real, precision=prec), xc["q_idx"], xc["k_idx"],
                 xc["weights"], cmp, tgt, prd, case.coeff)
             for name, o, bb in zip(("dq_idx", "dw", "dk_idx"), g_o, g_b):
-                v.append(_tagged(compare_numeric(name, got[name], o, bb), name))
+                v.append(_tagged(_numeric(name, got[name], o, bb), name))
     return v
 

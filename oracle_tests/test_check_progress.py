@@ -1,0 +1,44 @@
+"""The live progress bar of ``dsv4-oracle check`` (``dsv4_oracle.progress``): drawn on a
+terminal only, never with ``--no-progress`` or when stderr is a pipe or a file (CI logs stay
+clean), one line redrawn in place and erased at the end."""
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+from dsv4_oracle.progress import ProgressBar, progress_enabled
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_enabled_only_on_a_terminal():
+    assert progress_enabled(FakeTTY()) is True
+    assert progress_enabled(FakeTTY(), disabled=True) is False
+    assert progress_enabled(io.StringIO()) is False
+
+
+def test_bar_draws_in_place_counts_failures_and_erases_itself():
+    tty = FakeTTY()
+    bar = ProgressBar(4, enabled=True, stream=tty, label="check x")
+    case = SimpleNamespace(id="sink-mixed")
+    bar("start", case, None)
+    assert tty.getvalue().startswith("\rcheck x [") and "0/4  sink-mixed" in tty.getvalue()
+    bar("done", case, SimpleNamespace(passed=False))
+    bar("done", case, SimpleNamespace(passed=True))
+    line = bar.line()
+    assert "2/4" in line and "1 failing" in line and "left" in line
+    assert "#" * 5 in line and "-" * 5 in line                       # half full
+    bar.close()
+    assert tty.getvalue().endswith("\r") and "\n" not in tty.getvalue()
+
+
+def test_disabled_bar_writes_nothing():
+    s = io.StringIO()
+    bar = ProgressBar(3, enabled=False, stream=s)
+    bar("start", SimpleNamespace(id="a"), None)
+    bar("done", SimpleNamespace(id="a"), SimpleNamespace(passed=True))
+    bar.close()
+    assert s.getvalue() == ""
