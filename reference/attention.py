@@ -14,6 +14,7 @@ import torch
 
 from ._checks import as_float64, as_index, as_int, as_real, check_dim
 from ._checks import chunk_rows as rows_per_chunk
+from ._pointwise import logaddexp, sigmoid
 from ._reduce import fold_rows_into, row_bmm
 
 __all__ = ["sparse_attention_forward", "sparse_attention_backward", "valid_slots"]
@@ -59,7 +60,7 @@ def _probabilities(s, lse, sink):
     """``P = exp(s - logaddexp(lse, sink))``; rows with ``lse = +inf`` (no valid slot) get 0."""
     empty = torch.isinf(lse) & (lse > 0)
     lse_safe = torch.where(empty, torch.zeros_like(lse), lse)
-    full = torch.logaddexp(lse_safe, sink.unsqueeze(0))            # [n, H]
+    full = logaddexp(lse_safe, sink.unsqueeze(0))                  # [n, H]
     p = torch.exp(s - full.unsqueeze(-1))
     return p.masked_fill(empty.unsqueeze(-1), 0.0)
 
@@ -145,6 +146,6 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
         flat = v.reshape(-1)
         fold_rows_into(dkv, ids[r0:r1].reshape(-1)[flat], contrib.reshape(n * K, D)[flat])
         # p_sink = exp(sink - logaddexp(lse, sink)) = sigmoid(sink - lse); 1 when sink = +inf.
-        p_sink = torch.sigmoid(sink.unsqueeze(0) - l).masked_fill(empty, 0.0)
+        p_sink = sigmoid(sink.unsqueeze(0) - l).masked_fill(empty, 0.0)
         fold_rows_into(dsink, torch.zeros(n, dtype=torch.int64), -(p_sink * delta))
     return dq, dkv, dsink[0]

@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 
 from ._checks import as_float64, as_index, as_int, choice
+from ._pointwise import sigmoid
 from ._reduce import fold_rows_into, ordered_sum
 from .attention import sparse_attention_backward, sparse_attention_forward, valid_slots
 from .cp import cp_partition
@@ -418,7 +419,7 @@ def _dsink_rows(sink, out, lse, dout):
     0 on rows with no valid slot (``lse = +inf``)."""
     delta = (dout * out).sum(dim=-1)
     empty = torch.isinf(lse) & (lse > 0)
-    p_sink = torch.sigmoid(sink.unsqueeze(0) - lse).masked_fill(empty, 0.0)
+    p_sink = sigmoid(sink.unsqueeze(0) - lse).masked_fill(empty, 0.0)
     return -(p_sink * delta)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from ._checks import as_float64, as_index, as_int, as_real, check_dim, choice
 from ._checks import chunk_rows as rows_per_chunk
+from ._pointwise import logaddexp
 from ._reduce import fold_rows_into, ordered_sum, row_bmm
 from .layout import PackedLayout
 
@@ -89,7 +90,7 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
 
     valid = _slot_mask(ids, C) & layout.is_real.unsqueeze(1)
     safe = torch.where(valid, ids, torch.zeros_like(ids))
-    full = torch.logaddexp(lse, sink.unsqueeze(0))                       # LSEf [T, H]
+    full = logaddexp(lse, sink.unsqueeze(0))                             # LSEf [T, H]
     target = torch.zeros((T, Kc), dtype=torch.float64)
     predict = torch.zeros((T, Kc), dtype=torch.float64)
     kl = torch.zeros(T, dtype=torch.float64)
