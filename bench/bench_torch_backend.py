@@ -96,6 +96,20 @@ def run(T, device, warmup, iters, H=64, D=512, W=128, K=512, HI=64, DI=128, rati
         rec("sparse_attention_backward", timed(lambda: TB.sparse_attention_backward(
             q, kv, ids, sink, out, lse, dout, lengths=lengths, deterministic=det), device,
             warmup, iters), flops=bwd_flops, det=det, replay=same_bits(a, b))
+    # the deterministic dkv reduction alone, on one chunk of rows (contributions fp32 [n*K, D])
+    n = 256
+    valid = ids[:n].reshape(-1) >= 0
+    dest = ids[:n].reshape(-1)[valid].long()
+    vals = torch.randn(int(valid.sum()), D, device=device)
+    for method in ("tree", "sorted_put"):
+        acc = torch.zeros(kv.shape[0], D, device=device)
+        rec("fixed_order_scatter_add", timed(lambda: TB.fixed_order_scatter_add(
+            acc, dest, vals, method=method), device, warmup, iters), method=method,
+            terms=int(dest.numel()), D=D)
+    acc = torch.zeros(kv.shape[0], D, device=device)
+    rec("index_add_ (atomics)", timed(lambda: acc.index_add_(0, dest, vals), device, warmup,
+                                      iters), terms=int(dest.numel()), D=D)
+    del vals
     loss = TB.sparse_indexer_loss(q, kv_cmp, sink, lse, top[0], scores, lay, coeff=0.01)
     rec("sparse_indexer_loss", timed(lambda: TB.sparse_indexer_loss(
         q, kv_cmp, sink, lse, top[0], scores, lay, coeff=0.01), device, warmup, iters))

@@ -20,7 +20,8 @@ Determinism: with ``deterministic=True`` (the default) every result is bitwise r
 to run on a given device: per-row quantities come from batched GEMMs and reductions of fixed
 shape, and the only cross-row scatter sums (``dkv`` and ``dk_idx``) go through
 :func:`fixed_order_scatter_add`: contributions are sorted by destination (stable, so in
-(row, slot) order) and summed by a pairwise tree of fixed shape; no atomics are involved.
+(row, slot) order) and folded in a fixed order (a pairwise tree on the CPU, torch's
+sort-based ``index_put_(accumulate=True)`` on CUDA); no float atomics are involved.
 ``deterministic=False`` uses ``index_add_`` instead (float atomics on CUDA: faster, not
 repeatable there; on the CPU ``index_add_`` is sequential). Every other quantity is computed
 the same way in both modes. No function changes global torch state; each runs under a local
@@ -45,7 +46,8 @@ from .checks import (as_bool, as_int, as_real, check_dim, choice, float_tensor, 
                      same_device)
 
 __all__ = [
-    "BACKEND_NAME", "IndexerLoss", "build_csa_indices", "fixed_order_scatter_add",
+    "BACKEND_NAME", "IndexerLoss", "SCATTER_METHODS", "build_csa_indices",
+    "fixed_order_scatter_add",
     "indexer_scores", "q_rms_norm", "sparse_attention_backward", "sparse_attention_forward",
     "sparse_indexer_loss", "sparse_indexer_loss_grad", "stable_topk",
 ]
@@ -94,38 +96,61 @@ def _operand(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _slots(ids: torch.Tensor, num_keys: int, lengths: torch.Tensor | None):
-    """Section 6 validity ``[n, K]`` and the ids with invalid slots replaced by 0 (int64)."""
+    """Section 6 validity ``[n, K]`` and int64 ids in which every invalid slot points at row
+    ``num_keys``: the all-zero row that :func:`_with_zero_row` appends to the key table."""
     ok = (ids >= 0) & (ids < num_keys)
     if lengths is not None:
         ok &= torch.arange(ids.shape[1], device=ids.device).unsqueeze(0) < lengths.unsqueeze(1)
-    safe = torch.where(ok, ids, torch.zeros_like(ids)).to(torch.int64)
+    safe = torch.where(ok, ids, torch.full_like(ids, num_keys)).to(torch.int64)
     return ok, safe
 
 
-def _gather_rows(table: torch.Tensor, safe: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``table[safe]`` as ``[n, K, D]`` with invalid slots exactly 0, so that a NaN or inf in a
-    row that no valid slot selects can never reach a result."""
+def _with_zero_row(table: torch.Tensor) -> torch.Tensor:
+    """``table`` plus one trailing row of zeros (a copy of ``table``, never a write to it).
+    Invalid slots gather that row, so their keys are exactly 0 without masking the gathered
+    tensor, and a NaN or inf in a row that no valid slot selects can never reach a result."""
+    return torch.cat([table, table.new_zeros((1, table.shape[1]))], dim=0)
+
+
+def _gather_rows(table_z: torch.Tensor, safe: torch.Tensor) -> torch.Tensor:
+    """``table_z[safe]`` as ``[n, K, D]`` (``table_z`` from :func:`_with_zero_row`)."""
     n, k = safe.shape
-    g = table.index_select(0, safe.reshape(-1)).view(n, k, table.shape[1])
-    return g.masked_fill(~valid.unsqueeze(-1), 0)
+    return table_z.index_select(0, safe.reshape(-1)).view(n, k, table_z.shape[1])
+
+
+SCATTER_METHODS = ("auto", "tree", "sorted_put")
 
 
 def fixed_order_scatter_add(acc: torch.Tensor, dest: torch.Tensor, values: torch.Tensor, *,
-                            deterministic: bool = True) -> None:
+                            deterministic: bool = True, method: str = "auto") -> None:
     """``acc[dest[i]] += values[i]`` (in place on ``acc``, which the caller owns).
 
-    Deterministic mode: the contributions are sorted by destination with a stable sort (so
-    each destination's terms stay in index order ``i``), each destination's terms are summed
-    by a pairwise tree of fixed shape (``((v0+v1)+(v2+v3))+...``), and each destination then
-    receives exactly one addition: the bits depend only on the inputs, never on thread timing.
-    Otherwise ``index_add_`` (float atomics on CUDA).
+    Deterministic mode, two fixed-order methods (``"auto"``: ``"sorted_put"`` on CUDA,
+    ``"tree"`` elsewhere):
+
+    - ``"tree"``: the contributions are sorted by destination with a stable sort (so each
+      destination's terms stay in index order ``i``), each destination's terms are summed by a
+      pairwise tree of fixed shape (``((v0+v1)+(v2+v3))+...``), and each destination then
+      receives exactly one write. Portable; a handful of host synchronisations per call.
+    - ``"sorted_put"``: ``index_put_(accumulate=True)``, which on CUDA sorts the indices
+      (stable radix sort) and folds each destination's terms in that order in float32, with
+      no float atomics; torch documents it as deterministic on CUDA (it is absent from the
+      nondeterministic list of ``torch.use_deterministic_algorithms``; only its CPU version is
+      listed). The GPU replay tests check it under heavy contention.
+
+    Either way the bits depend only on the inputs, never on thread timing. Otherwise
+    (``deterministic=False``) ``index_add_`` (float atomics on CUDA).
     """
+    method = choice(method, "method", SCATTER_METHODS)
     if dest.numel() == 0:
         return
     dest = dest.to(torch.int64)
     values = values.to(acc.dtype)
     if not deterministic:
         acc.index_add_(0, dest, values)
+        return
+    if method == "sorted_put" or (method == "auto" and acc.is_cuda):
+        acc.index_put_((dest,), values, accumulate=True)
         return
     order = torch.argsort(dest, stable=True)
     d = dest[order]
@@ -385,20 +410,24 @@ def sparse_attention_forward(q, kv, ids, sink, *, scale=None, v_dim=None, length
     S, K = kv.shape[0], ids.shape[1]
     dev = q.device
     sink32 = sink.to(F32)
+    kv_z = _with_zero_row(kv)
     out = torch.empty((T, H, dv), dtype=q.dtype, device=dev)
     lse = torch.empty((T, H), dtype=F32, device=dev)
-    step = _rows_per_chunk(chunk_rows, K * (D * kv.element_size() * 2 + H * 4 * 4), dev)
+    step = _rows_per_chunk(chunk_rows, K * (D * kv.element_size() + H * 4 * 3), dev)
     for r0 in range(0, T, step):
         r1 = min(r0 + step, T)
         valid, safe = _slots(ids[r0:r1], S, None if lengths is None else lengths[r0:r1])
-        kg = _gather_rows(kv, safe, valid)                                    # [n, K, D]
+        kg = _gather_rows(kv_z, safe)                                         # [n, K, D]
         s = (_mm(q[r0:r1], kg.transpose(1, 2)) * scale).masked_fill(~valid.unsqueeze(1), -INF)
         has = valid.any(dim=1, keepdim=True)                                  # [n, 1]
         m = s.amax(dim=-1) if K else torch.zeros((r1 - r0, H), dtype=F32, device=dev)
         m = torch.where(has, m, torch.zeros_like(m))
-        tot = torch.exp(s - m.unsqueeze(-1)).sum(dim=-1)
-        l = torch.where(has, torch.log(tot) + m, torch.full_like(m, INF))
-        p, _ = _row_probabilities(s, l, sink32)
+        e = torch.exp(s - m.unsqueeze(-1))                                    # [n, H, K]
+        l = torch.where(has, torch.log(e.sum(dim=-1)) + m, torch.full_like(m, INF))
+        # P = exp(s - LSEf) = e * exp(m - LSEf); rows without keys: P = 0 (e is 0 there)
+        full = torch.logaddexp(torch.where(has, l, torch.zeros_like(l)), sink32.unsqueeze(0))
+        c = torch.where(has, torch.exp(m - full), torch.zeros_like(m))
+        p = e * c.unsqueeze(-1)
         out[r0:r1] = _mm(_operand(p, kv), kg[:, :, :dv]).to(q.dtype)
         lse[r0:r1] = l
     return out, lse
@@ -429,6 +458,7 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
         raise ValueError("sink contains NaN")
     dev = q.device
     sink32 = sink.to(F32)
+    kv_z = _with_zero_row(kv)
     dq = torch.empty_like(q)
     dkv = torch.zeros((S, D), dtype=F32, device=dev)
     dsink = torch.zeros(H, dtype=F32, device=dev)
@@ -437,7 +467,7 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
         r1 = min(r0 + step, T)
         n = r1 - r0
         valid, safe = _slots(ids[r0:r1], S, None if lengths is None else lengths[r0:r1])
-        kg = _gather_rows(kv, safe, valid)
+        kg = _gather_rows(kv_z, safe)
         l = lse[r0:r1].to(F32)
         s = (_mm(q[r0:r1], kg.transpose(1, 2)) * scale).masked_fill(~valid.unsqueeze(1), -INF)
         p, empty = _row_probabilities(s, l, sink32)
@@ -518,7 +548,9 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
             raise ValueError(f"{name} contains NaN")
     _, real, _ = _layout_rows(layout, dev)
     valid = (ids >= 0) & (ids < C) & real.unsqueeze(1)
-    safe = torch.where(valid, ids, torch.zeros_like(ids)).to(torch.int64)
+    safe = torch.where(valid, ids, torch.zeros_like(ids)).to(torch.int64)     # score columns
+    safe_z = torch.where(valid, safe, torch.full_like(safe, C))               # key rows
+    kc_z = _with_zero_row(kc)
     full = torch.logaddexp(lse.to(F32), sink.to(F32).unsqueeze(0))                # LSEf [T, H]
     target = torch.zeros((T, Kc), dtype=F32, device=dev)
     predict = torch.zeros((T, Kc), dtype=F32, device=dev)
@@ -529,7 +561,7 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
         v = valid[r0:r1]
         f = full[r0:r1]
         massive = v & torch.isfinite(f).all(dim=1, keepdim=True)
-        kg = _gather_rows(kc, safe[r0:r1], v)
+        kg = _gather_rows(kc_z, safe_z[r0:r1])
         log_a = _mm(q[r0:r1], kg.transpose(1, 2)) * scale - f.unsqueeze(-1)   # [n, H, Kc]
         log_a = log_a.masked_fill(~massive.unsqueeze(1), -INF)
         per_c = torch.logsumexp(log_a, dim=1)                                 # [n, Kc]
@@ -592,7 +624,8 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
         if _has_nan(t):
             raise ValueError(f"{name} contains NaN")
     valid = (ids >= 0) & (ids < C)
-    safe = torch.where(valid, ids, torch.zeros_like(ids)).to(torch.int64)
+    safe = torch.where(valid, ids, torch.full_like(ids, C)).to(torch.int64)
+    k_z = _with_zero_row(k)
     gs = coeff / n_real * grad_loss
     wf = w.to(F32) * scale
     dq = torch.empty_like(q)
@@ -603,7 +636,7 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
         r1 = min(r0 + step, T)
         n = r1 - r0
         v = valid[r0:r1]
-        kg = _gather_rows(k, safe[r0:r1], v)                                  # [n, Kc, D_I]
+        kg = _gather_rows(k_z, safe[r0:r1])                                   # [n, Kc, D_I]
         z = _mm(q[r0:r1], kg.transpose(1, 2))                                 # [n, H_I, Kc]
         t32 = tau[r0:r1].to(F32)
         if mode == "autograd":

@@ -152,3 +152,24 @@ def test_cudnn_sm90_backward_atomics_are_detected(deterministic, replays):
         differing = repr(r.extra["differing"])
         assert not r.passed and ("dkv" in differing or "dsink" in differing), \
             f"the replay check did not see the SM90 atomics' effect: {r.detail}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["tree", "sorted_put"])
+def test_fixed_order_scatter_methods_replay_on_cuda(method, replays):
+    """Both deterministic scatter methods replay bitwise on CUDA under heavy contention
+    (a million terms onto 32 rows), where ``index_add_`` does not."""
+    from gpu_impl.torch_backend import fixed_order_scatter_add
+    g = torch.Generator().manual_seed(8)
+    dest = torch.randint(0, 32, (1 << 20,), generator=g).cuda()
+    vals = torch.randn(1 << 20, 64, generator=g).cuda()
+
+    def run(det=True):
+        acc = torch.zeros(32, 64, device="cuda")
+        fixed_order_scatter_add(acc, dest, vals, deterministic=det, method=method)
+        return {"acc": acc}
+    r = C.check_replays(run, max(replays, 10))
+    assert r.passed, r.detail
+    atomics = C.check_replays(lambda: run(det=False), 10)
+    print(f"{method}: {r.detail}; index_add_: {atomics.detail}")
+    assert not atomics.passed, "index_add_ replayed bitwise: the control lost its power"
