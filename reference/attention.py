@@ -50,6 +50,24 @@ def _inputs(q, kv, ids, sink, scale, v_dim, lengths):
     return q, kv, ids, sink, scale, dv, lengths
 
 
+SLOT_MULTIPLE = 64
+
+
+def _pad_slots(ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` with invalid (-1) slots appended up to a multiple of ``SLOT_MULTIPLE``.
+
+    Sums over the slot axis (softmax denominators, ``P @ V``, ``dS @ K``) are vectorized, and
+    their association depends on the axis length: without padding, a row's bits would depend
+    on how many trailing invalid slots the caller's width has (e.g. an HCA row's width follows
+    the layout's largest document). Extra invalid slots add exact zeros, so any two widths in
+    the same multiple give the same bits."""
+    K = ids.shape[1]
+    width = -(-max(K, 1) // SLOT_MULTIPLE) * SLOT_MULTIPLE
+    if width == K:
+        return ids
+    return torch.cat([ids, ids.new_full((ids.shape[0], width - K), -1)], dim=1)
+
+
 def _scores(q, kg, valid, scale):
     """Masked logits ``[n, H, K]``: ``scale * <q, kv[id]>`` on valid slots, -inf elsewhere."""
     s = scale * row_bmm(q, kg.transpose(1, 2))
@@ -75,6 +93,7 @@ def sparse_attention_forward(q, kv, ids, sink, *, scale=None, v_dim=None, length
     (used by the gradchecks); the closed-form backward is :func:`sparse_attention_backward`.
     """
     q, kv, ids, sink, scale, dv, lengths = _inputs(q, kv, ids, sink, scale, v_dim, lengths)
+    ids = _pad_slots(ids)
     T, H, D = q.shape
     S, K = kv.shape[0], ids.shape[1]
     valid = valid_slots(ids, S, lengths)
@@ -111,6 +130,7 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
     ``dsink`` are left folds in (row, slot) order.
     """
     q, kv, ids, sink, scale, dv, lengths = _inputs(q, kv, ids, sink, scale, v_dim, lengths)
+    ids = _pad_slots(ids)
     T, H, D = q.shape
     S, K = kv.shape[0], ids.shape[1]
     out = as_float64(out, "out", ndim=3)
