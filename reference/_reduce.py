@@ -54,7 +54,7 @@ def _aligned_batch(x: torch.Tensor, cols: int) -> torch.Tensor:
     return out
 
 
-def row_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def row_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.bmm(a, b)`` whose batch element ``i`` has the same bits whatever the batch size,
     its position in the batch and the operands' addresses.
 
@@ -69,5 +69,47 @@ def row_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return torch.zeros((0, a.shape[1], cols), dtype=torch.result_type(a, b))
     padded = _round_up(max(cols, 1), _ALIGN)
-    out = torch.bmm(_aligned_batch(a, inner), _aligned_batch(b, padded))
+    if out is None:
+        out = torch.bmm(_aligned_batch(a, inner), _aligned_batch(b, padded))
+    else:  # a buffer laid out exactly like the result bmm would allocate (row_bmm_buffer)
+        if tuple(out.shape) != (n, a.shape[1], padded) or not out.is_contiguous() \
+                or out.data_ptr() % 64:
+            raise ValueError("row_bmm: out must be a row_bmm_buffer(...)[:n]")
+        torch.bmm(_aligned_batch(a, inner), _aligned_batch(b, padded), out=out)
     return out if padded == cols else out[:, :, :cols]
+
+
+def row_bmm_buffer(n: int, rows: int, cols: int) -> torch.Tensor:
+    """A reusable result buffer for ``row_bmm(a, b, out=buf[:m])`` (``m <= n`` items of
+    ``[rows, cols]``): contiguous, 64-byte aligned, columns padded to a multiple of 8, i.e. the
+    layout ``row_bmm`` itself allocates, so the bits are the same. Reusing it across chunks saves
+    the page faults of a fresh multi-MiB allocation per product."""
+    return torch.empty((n, rows, _round_up(max(cols, 1), _ALIGN)), dtype=torch.float64)
+
+
+def fold_slot_rows_into(acc: torch.Tensor, keys: torch.Tensor, contributions: torch.Tensor) -> None:
+    """``acc[keys[i, j]] += contributions[i, j]`` for rows ``i = 0, 1, ...`` in order and slots
+    ``j`` in order within a row: the left fold of :func:`fold_rows_into` over the (row, slot)
+    sequence, with the same bits. The last row of ``acc`` is a discard row: slots whose key is
+    ``acc.shape[0] - 1`` (invalid slots) are folded there and must be ignored by the caller.
+
+    A row whose other keys are distinct (the normal case) is one gather, one add and one
+    scatter-copy (each destination gets one addition per row, rows in order); a row with a
+    repeated key falls back to ``index_add_`` (sequential in slot order). This is much faster
+    than one ``index_add_`` per chunk of wide rows on the CPU."""
+    n, width = keys.shape
+    if n == 0 or width == 0:
+        return
+    discard = acc.shape[0] - 1
+    ordered = torch.sort(keys, dim=1).values
+    repeated = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != discard)).any(dim=1)
+    work = torch.empty((width,) + tuple(acc.shape[1:]), dtype=acc.dtype)
+    for i, rep in enumerate(repeated.tolist()):
+        row = keys[i]
+        if rep:
+            keep = row != discard
+            acc.index_add_(0, row[keep], contributions[i][keep])
+        else:
+            torch.index_select(acc, 0, row, out=work)
+            work.add_(contributions[i])
+            acc.index_copy_(0, row, work)

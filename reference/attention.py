@@ -15,11 +15,12 @@ import torch
 from ._checks import as_float64, as_index, as_int, as_real, check_dim
 from ._checks import chunk_rows as rows_per_chunk
 from ._pointwise import logaddexp, sigmoid
-from ._reduce import fold_rows_into, row_bmm
+from ._reduce import fold_slot_rows_into, ordered_sum, row_bmm, row_bmm_buffer
 
 __all__ = ["sparse_attention_forward", "sparse_attention_backward", "valid_slots"]
 
 INF = math.inf
+CHUNK_BYTES = 1 << 25  # work buffers per chunk: small enough to stay in cache, reused across chunks
 
 
 def valid_slots(ids: torch.Tensor, num_keys: int, lengths: torch.Tensor | None) -> torch.Tensor:
@@ -83,6 +84,55 @@ def _probabilities(s, lse, sink):
     return p.masked_fill(empty.unsqueeze(-1), 0.0)
 
 
+def _zero_row_table(kv: torch.Tensor) -> torch.Tensor:
+    """``kv`` with one zero row appended (row ``S``): invalid slots gather it, which gives the
+    same rows as gathering any row and zeroing it (unselected rows, even NaN, never leak)."""
+    return torch.cat([kv, kv.new_zeros((1, kv.shape[1]))])
+
+
+def _gather_rows(table: torch.Tensor, rows: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """``table[rows]`` for ``rows [n, K]`` into the front of ``buf``, as ``[n, K, D]``."""
+    n, K = rows.shape
+    return torch.index_select(table, 0, rows.reshape(-1), out=buf[: n * K]).view(n, K, -1)
+
+
+def _forward_no_grad(q, kv, ids, valid, sink, scale, dv, step):
+    """The forward of :func:`sparse_attention_forward` when no gradient is needed: the same
+    operations on the same layouts (hence the same bits, see ``oracle_tests``), in reused work
+    buffers and in place, without the per-chunk allocations of the differentiable version."""
+    T, H, D = q.shape
+    S, K = kv.shape[0], ids.shape[1]
+    table = _zero_row_table(kv)
+    rows = torch.where(valid, ids, torch.full_like(ids, S))
+    out = torch.empty((T, H, dv), dtype=torch.float64)
+    lse = torch.empty((T, H), dtype=torch.float64)
+    m_rows = min(step, T)
+    kg_buf = torch.empty((m_rows * K, D), dtype=torch.float64)
+    s_mm, o_mm = row_bmm_buffer(m_rows, H, K), row_bmm_buffer(m_rows, H, dv)
+    s_buf = torch.empty((m_rows, H, K), dtype=torch.float64)
+    e_buf = torch.empty((m_rows, H, K), dtype=torch.float64)
+    for r0 in range(0, T, step):
+        r1 = min(r0 + step, T)
+        n = r1 - r0
+        v = valid[r0:r1]
+        kg = _gather_rows(table, rows[r0:r1], kg_buf)
+        s = torch.mul(row_bmm(q[r0:r1], kg.transpose(1, 2), out=s_mm[:n]), scale, out=s_buf[:n])
+        s.masked_fill_(~v.unsqueeze(1), -INF)
+        m = s.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        has_key = v.any(dim=1, keepdim=True)                           # [n, 1]
+        total = torch.sub(s, m, out=e_buf[:n]).exp_().sum(dim=-1)
+        total = torch.where(has_key, total, torch.ones_like(total))
+        lse_c = torch.where(has_key, torch.log(total) + m.squeeze(-1), torch.full_like(total, INF))
+        empty = torch.isinf(lse_c) & (lse_c > 0)                        # as _probabilities
+        full = logaddexp(torch.where(empty, torch.zeros_like(lse_c), lse_c), sink.unsqueeze(0))
+        p = torch.sub(s, full.unsqueeze(-1), out=e_buf[:n]).exp_()
+        p.masked_fill_(empty.unsqueeze(-1), 0.0)
+        out[r0:r1] = row_bmm(p, kg[:, :, :dv], out=o_mm[:n])
+        lse[r0:r1] = lse_c
+    return out, lse
+
+
 def sparse_attention_forward(q, kv, ids, sink, *, scale=None, v_dim=None, lengths=None,
                              chunk_rows=None):
     """Section 6 forward. ``q [T,H,D]``, ``kv [S,D]``, ``ids [T,K]``, ``sink [H]``.
@@ -97,8 +147,10 @@ def sparse_attention_forward(q, kv, ids, sink, *, scale=None, v_dim=None, length
     T, H, D = q.shape
     S, K = kv.shape[0], ids.shape[1]
     valid = valid_slots(ids, S, lengths)
+    step = rows_per_chunk(chunk_rows, 8 * K * (2 * D + 4 * H), CHUNK_BYTES)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, kv, sink))):
+        return _forward_no_grad(q, kv, ids, valid, sink, scale, dv, step)
     safe = torch.where(valid, ids, torch.zeros_like(ids))
-    step = rows_per_chunk(chunk_rows, 8 * K * (2 * D + 3 * H))
     outs, lses = [], []
     for r0 in range(0, T, step):
         r1 = min(r0 + step, T)
@@ -136,36 +188,53 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
     out = as_float64(out, "out", ndim=3)
     lse = as_float64(lse, "lse", ndim=2)
     dout = as_float64(dout, "dout", ndim=3)
+    # The closed form is not differentiated (the gradchecks differentiate the forward).
+    q, kv, sink, out, lse, dout = (t.detach() for t in (q, kv, sink, out, lse, dout))
     for name, t, shape in (("out", out, (T, H, dv)), ("lse", lse, (T, H)),
                            ("dout", dout, (T, H, dv))):
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
     valid = valid_slots(ids, S, lengths)
-    safe = torch.where(valid, ids, torch.zeros_like(ids))
-    step = rows_per_chunk(chunk_rows, 8 * K * (4 * D + 4 * H))
-    dq = torch.zeros_like(q)
-    dkv = torch.zeros_like(kv)
-    dsink = torch.zeros((1, H), dtype=torch.float64)
+    step = rows_per_chunk(chunk_rows, 8 * K * (3 * D + 4 * H), CHUNK_BYTES)
+    # Every product and pointwise step below is the differentiable forward's (same operations on
+    # the same layouts), in work buffers reused across chunks and in place where the value it
+    # replaces is dead.
+    table = _zero_row_table(kv)
+    rows = torch.where(valid, ids, torch.full_like(ids, S))  # invalid slots: zero row / discard row
+    dq = torch.empty_like(q)
+    dkv = torch.zeros((S + 1, D), dtype=torch.float64)       # row S: discard row of the fold
+    sink_terms = torch.empty((T, H), dtype=torch.float64)
+    m_rows = min(step, T)
+    kg_buf = torch.empty((m_rows * K, D), dtype=torch.float64)
+    hk_mm = row_bmm_buffer(m_rows, H, K)
+    hd_mm = row_bmm_buffer(m_rows, H, D)
+    kd_mm, kv_mm = row_bmm_buffer(m_rows, K, D), row_bmm_buffer(m_rows, K, dv)
+    p_buf, ds_buf = (torch.empty((m_rows, H, K), dtype=torch.float64) for _ in range(2))
+    c_buf = torch.empty((m_rows, K, D), dtype=torch.float64)
     for r0 in range(0, T, step):
         r1 = min(r0 + step, T)
         n = r1 - r0
         v = valid[r0:r1]
-        kg = kv.index_select(0, safe[r0:r1].reshape(-1)).view(n, K, D)
-        kg = kg.masked_fill(~v.unsqueeze(-1), 0.0)  # unselected rows (even NaN) never leak
+        kg = _gather_rows(table, rows[r0:r1], kg_buf)
         l = lse[r0:r1]
         empty = (torch.isinf(l) & (l > 0)) | ~v.any(dim=1, keepdim=True)
-        s = _scores(q[r0:r1], kg, v, scale)
-        p = _probabilities(s, l, sink).masked_fill(empty.unsqueeze(-1), 0.0)
+        # p = _probabilities(_scores(q, kg, v, scale), l, sink), masked on empty rows
+        p = torch.mul(row_bmm(q[r0:r1], kg.transpose(1, 2), out=hk_mm[:n]), scale, out=p_buf[:n])
+        p.masked_fill_(~v.unsqueeze(1), -INF)
+        no_key = torch.isinf(l) & (l > 0)
+        full = logaddexp(torch.where(no_key, torch.zeros_like(l), l), sink.unsqueeze(0))
+        p.sub_(full.unsqueeze(-1)).exp_()
+        p.masked_fill_(no_key.unsqueeze(-1), 0.0).masked_fill_(empty.unsqueeze(-1), 0.0)
         do = dout[r0:r1]
         delta = (do * out[r0:r1]).sum(dim=-1)                          # [n, H]
-        dp = row_bmm(do, kg[:, :, :dv].transpose(1, 2))              # [n, H, K]
-        ds = p * (dp - delta.unsqueeze(-1))
-        dq[r0:r1] = scale * row_bmm(ds, kg)
-        contrib = scale * row_bmm(ds.transpose(1, 2), q[r0:r1])     # [n, K, D]
-        contrib[:, :, :dv] += row_bmm(p.transpose(1, 2), do)
-        flat = v.reshape(-1)
-        fold_rows_into(dkv, ids[r0:r1].reshape(-1)[flat], contrib.reshape(n * K, D)[flat])
+        dp = row_bmm(do, kg[:, :, :dv].transpose(1, 2), out=hk_mm[:n])  # [n, H, K]
+        ds = torch.sub(dp, delta.unsqueeze(-1), out=ds_buf[:n]).mul_(p)
+        torch.mul(row_bmm(ds, kg, out=hd_mm[:n]), scale, out=dq[r0:r1])
+        contrib = torch.mul(row_bmm(ds.transpose(1, 2), q[r0:r1], out=kd_mm[:n]), scale,
+                            out=c_buf[:n])                             # [n, K, D]
+        contrib[:, :, :dv] += row_bmm(p.transpose(1, 2), do, out=kv_mm[:n])
+        fold_slot_rows_into(dkv, rows[r0:r1], contrib)
         # p_sink = exp(sink - logaddexp(lse, sink)) = sigmoid(sink - lse); 1 when sink = +inf.
         p_sink = sigmoid(sink.unsqueeze(0) - l).masked_fill(empty, 0.0)
-        fold_rows_into(dsink, torch.zeros(n, dtype=torch.int64), -(p_sink * delta))
-    return dq, dkv, dsink[0]
+        sink_terms[r0:r1] = -(p_sink * delta)
+    return dq, dkv[:S], ordered_sum(sink_terms)
