@@ -71,7 +71,8 @@ def _rank(rank, world, cfg, out_dir):
     dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{cfg['store']}",
                             rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+                            timeout=datetime.timedelta(seconds=600),
+                            **({"device_id": dev} if cuda else {}))
     s = cfg["shape"]
     dt = getattr(torch, s["dtype"])
     lay = bench_layout(cfg["T"])

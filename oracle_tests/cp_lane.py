@@ -140,11 +140,13 @@ def _entry(rank, world, fn, args, init_file, result_dir, backend, timeout_s):
     torch.set_num_threads(1)
     status = {"rank": rank}
     try:
+        kw = {}
         if backend == "nccl":
             torch.cuda.set_device(rank)
+            kw["device_id"] = torch.device("cuda", rank)
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                                timeout=datetime.timedelta(seconds=timeout_s), **kw)
         try:
             status["result"] = fn(rank, world, *args)
         finally:
