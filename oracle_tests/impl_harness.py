@@ -69,6 +69,21 @@ IMPLEMENTATIONS = [
 ]
 
 
+def cpu_lane_too_large(case: Case) -> bool:
+    """Cases whose production shapes make the float64 oracle (not the implementation) cost
+    seconds on a 2-core CI machine: the DSv4-Flash/Pro shapes and layouts of thousands of
+    rows. The CPU lane skips them (the torch backend runs the same code at every shape); the
+    GPU lanes run them."""
+    work = case.heads * case.head_dim * (case.topk + case.window) * case.T
+    return work > 5e7 or case.T > 1024
+
+
+def skip_large_on_cpu(impl: Impl, case: Case) -> None:
+    if impl.device == "cpu" and cpu_lane_too_large(case):
+        pytest.skip(f"{case.id}: production-size case, run in the GPU lanes only (on the CPU "
+                    "its cost is the float64 oracle's)")
+
+
 def content_hash(tensors: dict) -> dict:
     """Per tensor, a hash of its dtype, shape and bytes (contract section 11: no mutation)."""
     out = {}

@@ -18,7 +18,8 @@ from fixtures.case import Case
 from gpu_impl import api, torch_backend
 from reference import error_model as EM
 
-from .impl_harness import IMPLEMENTATIONS, TORCH_CPU, assert_checks, content_hash, judge, run_impl
+from .impl_harness import (IMPLEMENTATIONS, TORCH_CPU, assert_checks, content_hash, judge, run_impl,
+                           skip_large_on_cpu)
 
 
 
@@ -48,6 +49,7 @@ def _on(impl, x):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_ops_against_oracle(impl, case):
+    skip_large_on_cpu(impl, case)
     x = _on(impl, case.materialize())
     before = content_hash(x)
     got = run_impl(impl, case, x)
