@@ -9,13 +9,14 @@ import torch
 from ._checks import as_float64, as_index, as_int, as_real, check_dim, choice
 from ._checks import chunk_rows as rows_per_chunk
 from ._pointwise import logaddexp
-from ._reduce import fold_rows_into, ordered_sum, row_bmm
+from ._reduce import fold_slot_rows_into, ordered_sum, row_bmm, row_bmm_buffer
 from .layout import PackedLayout
 
 __all__ = ["IndexerLoss", "sparse_indexer_loss", "sparse_indexer_loss_grad"]
 
 INF = math.inf
 FLT_MIN = 2.0 ** -126
+CHUNK_BYTES = 1 << 25  # work buffers per chunk: small enough to stay in cache, reused across chunks
 
 
 class IndexerLoss(NamedTuple):
@@ -94,18 +95,26 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
     target = torch.zeros((T, Kc), dtype=torch.float64)
     predict = torch.zeros((T, Kc), dtype=torch.float64)
     kl = torch.zeros(T, dtype=torch.float64)
-    step = rows_per_chunk(chunk_rows, 8 * Kc * (D + 3 * H))
+    step = rows_per_chunk(chunk_rows, 8 * Kc * (D + 3 * H), CHUNK_BYTES)
+    # The teacher is detached: its products and pointwise steps run in work buffers reused
+    # across chunks. Invalid slots gather a zero row (unselected rows, even NaN, never leak).
+    table = torch.cat([kc, kc.new_zeros((1, D))])
+    rows = torch.where(valid, ids, torch.full_like(ids, C))
+    m_rows = min(step, T)
+    kg_buf = torch.empty((m_rows * Kc, D), dtype=torch.float64)
+    a_mm = row_bmm_buffer(m_rows, H, Kc)
+    a_buf = torch.empty((m_rows, H, Kc), dtype=torch.float64)
     for r0 in range(0, T, step):
         r1 = min(r0 + step, T)
         n = r1 - r0
         v = valid[r0:r1]
         f = full[r0:r1]
         massive = v & torch.isfinite(f).all(dim=1, keepdim=True)       # rows with teacher mass
-        src = kc if C else kc.new_zeros((1, D))  # no compressed key: every slot is invalid
-        kg = src.index_select(0, safe[r0:r1].reshape(-1)).view(n, Kc, D)
-        kg = kg.masked_fill(~v.unsqueeze(-1), 0.0)  # unselected rows (even NaN) never leak
-        log_a = scale * row_bmm(q[r0:r1], kg.transpose(1, 2)) - f.unsqueeze(-1)  # [n,H,Kc]
-        log_a = log_a.masked_fill(~massive.unsqueeze(1), -INF)
+        kg = torch.index_select(table, 0, rows[r0:r1].reshape(-1),
+                                out=kg_buf[: n * Kc]).view(n, Kc, D)
+        log_a = torch.mul(row_bmm(q[r0:r1], kg.transpose(1, 2), out=a_mm[:n]), scale,
+                          out=a_buf[:n]).sub_(f.unsqueeze(-1))            # [n, H, Kc]
+        log_a.masked_fill_(~massive.unsqueeze(1), -INF)
         per_c = torch.logsumexp(log_a, dim=1)                              # [n, Kc]
         norm = torch.logsumexp(per_c, dim=1, keepdim=True)
         norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
@@ -186,20 +195,33 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
     tm = torch.where(m, tt, torch.zeros_like(tt))
     g = gs * (p_in * tm.sum(dim=1, keepdim=True) - tm)
     g = torch.where(valid, g, torch.zeros_like(g))                        # gI [T, Kc]
+    q, k, w = q.detach(), k.detach(), w.detach()
     dq = torch.zeros_like(q)
     dw = torch.zeros_like(w)
-    dk = torch.zeros_like(k)
-    step = rows_per_chunk(chunk_rows, 8 * Kc * (3 * DI + 3 * HI))
+    dk = torch.zeros((C + 1, DI), dtype=torch.float64)   # row C: discard row of the fold
+    step = rows_per_chunk(chunk_rows, 8 * Kc * (2 * DI + 4 * HI), CHUNK_BYTES)
+    # _indexer_logits' z and the chain below, in work buffers reused across chunks; invalid
+    # slots gather a zero row (unselected rows, even NaN, never leak) and fold into the discard row.
+    table = torch.cat([k, k.new_zeros((1, DI))])
+    rows = torch.where(valid, ids, torch.full_like(ids, C))
+    m_rows = min(step, T)
+    kg_buf = torch.empty((m_rows * Kc, DI), dtype=torch.float64)
+    z_mm, dw_mm = row_bmm_buffer(m_rows, HI, Kc), row_bmm_buffer(m_rows, HI, 1)
+    dq_mm, c_mm = row_bmm_buffer(m_rows, HI, DI), row_bmm_buffer(m_rows, Kc, DI)
+    relu_buf, gate_buf = (torch.empty((m_rows, HI, Kc), dtype=torch.float64) for _ in range(2))
     for r0 in range(0, T, step):
         r1 = min(r0 + step, T)
         n = r1 - r0
-        v = valid[r0:r1]
-        z, kg, _ = _indexer_logits(q[r0:r1], k, w[r0:r1], ids[r0:r1], v, scale)
+        kg = torch.index_select(table, 0, rows[r0:r1].reshape(-1),
+                                out=kg_buf[: n * Kc]).view(n, Kc, DI)
+        z = row_bmm(q[r0:r1], kg.transpose(1, 2), out=z_mm[:n])          # [n, H_I, Kc]
         gc = g[r0:r1]
-        dw[r0:r1] = scale * row_bmm(torch.relu(z), gc.unsqueeze(-1)).squeeze(-1)
-        gate = (z > 0).to(torch.float64) * (scale * w[r0:r1]).unsqueeze(-1) * gc.unsqueeze(1)
-        dq[r0:r1] = row_bmm(gate, kg)                                   # [n, H_I, D_I]
-        contrib = row_bmm(gate.transpose(1, 2), q[r0:r1])               # [n, Kc, D_I]
-        flat = v.reshape(-1)
-        fold_rows_into(dk, ids[r0:r1].reshape(-1)[flat], contrib.reshape(n * Kc, DI)[flat])
-    return dq, dw, dk
+        relu_z = relu_buf[:n].copy_(z).relu_()
+        torch.mul(row_bmm(relu_z, gc.unsqueeze(-1), out=dw_mm[:n]).squeeze(-1), scale,
+                  out=dw[r0:r1])
+        gate = gate_buf[:n].copy_(z > 0)
+        gate.mul_((scale * w[r0:r1]).unsqueeze(-1)).mul_(gc.unsqueeze(1))
+        dq[r0:r1] = row_bmm(gate, kg, out=dq_mm[:n])                      # [n, H_I, D_I]
+        contrib = row_bmm(gate.transpose(1, 2), q[r0:r1], out=c_mm[:n])   # [n, Kc, D_I]
+        fold_slot_rows_into(dk, rows[r0:r1], contrib)
+    return dq, dw, dk[:C]
