@@ -7,10 +7,12 @@ import torch
 
 from ._checks import as_float64, as_int, as_real, check_dim
 from ._checks import chunk_rows as rows_per_chunk
-from ._reduce import row_bmm
+from ._reduce import _aligned_batch, _round_up, row_bmm, row_bmm_buffer
 from .layout import PackedLayout
 
 __all__ = ["indexer_scores"]
+
+CHUNK_BYTES = 1 << 25  # work buffers per chunk: small enough to stay in cache, reused across chunks
 
 
 def indexer_scores(q_idx, k_idx, weights, layout, ratio, *, scale=None, chunk_rows=None):
@@ -39,18 +41,34 @@ def indexer_scores(q_idx, k_idx, weights, layout, ratio, *, scale=None, chunk_ro
     cu_pad = layout.cu_seqlens_padded
     cu_comp = layout.compressed_offsets(ratio)
     vis = layout.visible_compressed(ratio)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, w))
     for b in range(layout.num_docs):
         r0, real = int(cu_pad[b]), int(layout.doc_lengths[b])
         c0, c1 = int(cu_comp[b]), int(cu_comp[b + 1])
         if real == 0 or c1 == c0:
             continue
         kb = k[c0:c1]                                   # [n_b, D_I]
-        step = rows_per_chunk(chunk_rows, HI * (c1 - c0) * 8 * 3)
+        nb = c1 - c0
+        step = rows_per_chunk(chunk_rows, HI * nb * 8 * 3, CHUNK_BYTES)
+        if not grad:
+            # The same products without per-chunk copies: the document's keys placed once as
+            # row_bmm places them (aligned, columns padded to 8) and shared by every row, z and
+            # relu(z) in work buffers reused across chunks.
+            padded = _round_up(nb, 8)
+            kbt = _aligned_batch(kb.t().unsqueeze(0), padded)
+            m_rows = min(step, real)
+            z_mm, sc_mm = row_bmm_buffer(m_rows, HI, padded), row_bmm_buffer(m_rows, 1, nb)
+            relu_buf = torch.empty((m_rows, HI, nb), dtype=torch.float64)
         for s0 in range(r0, r0 + real, step):
             s1 = min(s0 + step, r0 + real)
             n = s1 - s0
-            z = row_bmm(q[s0:s1], kb.t().unsqueeze(0).expand(n, DI, c1 - c0))  # [n, H_I, n_b]
-            sc = scale * row_bmm(w[s0:s1].unsqueeze(1), torch.relu(z)).squeeze(1)  # [n, n_b]
+            if grad:
+                z = row_bmm(q[s0:s1], kb.t().unsqueeze(0).expand(n, DI, nb))  # [n, H_I, n_b]
+                sc = scale * row_bmm(w[s0:s1].unsqueeze(1), torch.relu(z)).squeeze(1)  # [n, n_b]
+            else:
+                z = row_bmm(q[s0:s1], kbt.expand(n, DI, padded), out=z_mm[:n])[:, :, :nb]
+                relu_z = relu_buf[:n].copy_(z).relu_()
+                sc = scale * row_bmm(w[s0:s1].unsqueeze(1), relu_z, out=sc_mm[:n]).squeeze(1)
             cols = torch.arange(c1 - c0).unsqueeze(0)
             visible = cols < vis[s0:s1].unsqueeze(1)
             out[s0:s1, c0:c1] = torch.where(visible, sc, torch.full_like(sc, -math.inf))
