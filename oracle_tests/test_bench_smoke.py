@@ -1,0 +1,84 @@
+"""Smoke test of the oracle benchmark (``bench/bench_oracle.py``, issue 2 item 4): the ``--quick``
+shape runs end to end in fresh subprocesses, reports every stage of both forms with the FLOP
+counts its docstring states, and its dense form computes the oracle's numbers (ids exactly,
+floats within the error model). Speed itself is measured by the benchmark, never asserted here."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "bench_oracle.py"
+STAGES = ("indexer_scores", "topk_and_ids", "attn_forward", "attn_backward",
+          "indexer_loss", "loss_grad")
+
+
+def run_bench(*args, timeout=300):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "quick.json"
+    proc = run_bench("--quick", "--threads", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_quick_bench_reports_every_stage_of_both_forms(quick_report):
+    report, stdout = quick_report
+    assert report["gemm"]["gflops"] > 0
+    for form in ("oracle_stages", "dense_stages"):
+        rows = report[form]
+        assert set(rows) == set(STAGES) | {"total"}
+        for st in STAGES:
+            assert rows[st]["seconds"] > 0, (form, st)
+        assert rows["total"]["seconds"] == pytest.approx(sum(rows[st]["seconds"] for st in STAGES))
+    for form in ("oracle", "dense"):
+        assert report[form]["peak_rss_bytes"] >= report[form]["inputs_rss_bytes"] > 0
+        assert report[form]["threads"] == 1
+    assert report["oracle_over_floor"] > 0 and report["dense_over_oracle"] > 0
+    assert "| attn_backward |" in stdout and "target <= 3" in stdout
+
+
+def test_quick_bench_flop_counts_follow_the_stated_formulas(quick_report):
+    report, _ = quick_report
+    s = report["shape"]
+    T, H, D, HI, DI, K = s["T"], s["H"], s["D"], s["HI"], s["DI"], s["K"]
+    width = -(-(K + s["W"]) // 64) * 64                  # the oracle pads slots to 64
+    C = report["oracle"]["num_compressed"]
+    oracle = {st: row["flops"] for st, row in report["oracle_stages"].items()}
+    assert oracle["attn_forward"] == T * width * H * 4 * D
+    assert oracle["attn_backward"] == T * width * H * 10 * D
+    assert oracle["indexer_loss"] == T * K * H * 2 * D
+    assert oracle["loss_grad"] == T * K * HI * (6 * DI + 2)
+    dense_rows = {st: row["flops"] for st, row in report["dense_stages"].items()}
+    assert dense_rows["attn_forward"] == T * (T + C) * H * 4 * D
+    assert dense_rows["indexer_scores"] == T * C * (2 * HI * DI + 2 * HI)
+    useful = report["oracle_useful_flops"]
+    assert 0 < useful["attn_forward"] < oracle["attn_forward"]      # padding and short rows
+
+
+def test_quick_bench_dense_form_computes_the_oracles_numbers(quick_report):
+    report, _ = quick_report
+    ag = report["agreement"]
+    assert ag["ids_equal"] and ag["lengths_equal"] and ag["compressed_ids_equal"]
+    ratios = {k: v for k, v in ag.items()
+              if k not in ("ids_equal", "lengths_equal", "compressed_ids_equal", "passed",
+                           "worst_ratio", "threads", "peak_rss_bytes")}
+    assert set(ratios) == {"scores", "out", "lse", "dq", "dkv", "dsink", "loss", "kl", "target",
+                           "predict", "dq_idx", "dw", "dk_idx"}
+    assert all(0 <= r <= 1 for r in ratios.values()), ratios
+    assert ag["passed"]
+
+
+def test_bench_rejects_bad_arguments():
+    proc = run_bench("--T", "7", "--no-dense", timeout=60)
+    assert proc.returncode == 2 and "--T" in proc.stderr
+    proc = run_bench("--quick", "--threads", "0", timeout=60)
+    assert proc.returncode == 2 and "--threads" in proc.stderr
