@@ -14,6 +14,7 @@ import torch
 
 import fixtures.store as store
 from fixtures import STORED_CASES, get, run_oracle
+from fixtures.__main__ import main as fixtures_cli
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = "capacity-rows"            # a small stored case for the tampering tests
@@ -74,16 +75,17 @@ def test_store_is_small_and_complete():
         assert name in e["tensors"], name
 
 
-def test_cli_verify_fails_on_a_flipped_byte(copy):
+def test_cli_verify_fails_on_a_flipped_byte(copy, capsys):
     e = next(e for e in _manifest(copy)["cases"] if e["id"] == SMALL)
     path = copy / e["file"]
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     path.write_bytes(bytes(raw))
-    r = subprocess.run([sys.executable, "-m", "fixtures", "verify", "--data", str(copy), SMALL],
-                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1
-    assert "SHA-256 mismatch" in r.stdout and SMALL in r.stdout
+    # the entry point of `python -m fixtures` (the passing run above starts the interpreter)
+    rc = fixtures_cli(["verify", "--data", str(copy), SMALL])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "fixture store: FAILED" in out and "SHA-256 mismatch" in out and SMALL in out
     with pytest.raises(ValueError, match="SHA-256"):
         store.load(SMALL, data_dir=copy)
 
