@@ -113,3 +113,39 @@ def fold_slot_rows_into(acc: torch.Tensor, keys: torch.Tensor, contributions: to
             torch.index_select(acc, 0, row, out=work)
             work.add_(contributions[i])
             acc.index_copy_(0, row, work)
+
+
+def row_extents(valid: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Per row of ``valid [T, K]``, the slots it is evaluated over: its last valid slot + 1,
+    rounded up to a multiple of ``multiple`` (at least one multiple). Slots past a row's last
+    valid slot are invalid and add exact zeros, so a row's bits depend on its own slots only
+    (never on the caller's width or on other rows), and a row with few valid slots costs only
+    its own extent. Callers pad the slot axis to a multiple of ``multiple`` first."""
+    T, K = valid.shape
+    if K == 0:
+        return torch.full((T,), multiple, dtype=torch.int64)
+    last = torch.where(valid, torch.arange(1, K + 1), torch.zeros((), dtype=torch.int64))
+    last = last.amax(dim=1)
+    return torch.clamp(-(-last // multiple) * multiple, min=multiple)
+
+
+def row_runs(widths: torch.Tensor, step: int):
+    """``(r0, r1, w)``: runs of consecutive rows of equal extent ``w``, at most ``step`` rows
+    each, in row order (folds over the runs stay in global row order)."""
+    T = widths.numel()
+    if T == 0:
+        return
+    bounds = [0] + (torch.nonzero(widths[1:] != widths[:-1]).flatten() + 1).tolist() + [T]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        w = int(widths[a])
+        for r0 in range(a, b, step):
+            yield r0, min(r0 + step, b), w
+
+
+def carve(buf: torch.Tensor, *shape: int) -> torch.Tensor:
+    """A contiguous ``shape`` view of the front of the flat work buffer ``buf``: 64-byte aligned
+    and laid out like a fresh tensor of that shape (e.g. a ``row_bmm`` result)."""
+    n = 1
+    for d in shape:
+        n *= d
+    return buf[:n].view(*shape)

@@ -15,7 +15,8 @@ import torch
 from ._checks import as_float64, as_index, as_int, as_real, check_dim
 from ._checks import chunk_rows as rows_per_chunk
 from ._pointwise import logaddexp, sigmoid
-from ._reduce import fold_slot_rows_into, ordered_sum, row_bmm, row_bmm_buffer
+from ._reduce import (_round_up, carve, fold_slot_rows_into, ordered_sum, row_bmm,
+                      row_bmm_buffer, row_extents, row_runs)
 
 __all__ = ["sparse_attention_forward", "sparse_attention_backward", "valid_slots"]
 
@@ -90,12 +91,6 @@ def _zero_row_table(kv: torch.Tensor) -> torch.Tensor:
     return torch.cat([kv, kv.new_zeros((1, kv.shape[1]))])
 
 
-def _gather_rows(table: torch.Tensor, rows: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-    """``table[rows]`` for ``rows [n, K]`` into the front of ``buf``, as ``[n, K, D]``."""
-    n, K = rows.shape
-    return torch.index_select(table, 0, rows.reshape(-1), out=buf[: n * K]).view(n, K, -1)
-
-
 def _forward_no_grad(q, kv, ids, valid, sink, scale, dv, step):
     """The forward of :func:`sparse_attention_forward` when no gradient is needed: the same
     operations on the same layouts (hence the same bits, see ``oracle_tests``), in reused work
@@ -107,26 +102,26 @@ def _forward_no_grad(q, kv, ids, valid, sink, scale, dv, step):
     out = torch.empty((T, H, dv), dtype=torch.float64)
     lse = torch.empty((T, H), dtype=torch.float64)
     m_rows = min(step, T)
-    kg_buf = torch.empty((m_rows * K, D), dtype=torch.float64)
-    s_mm, o_mm = row_bmm_buffer(m_rows, H, K), row_bmm_buffer(m_rows, H, dv)
-    s_buf = torch.empty((m_rows, H, K), dtype=torch.float64)
-    e_buf = torch.empty((m_rows, H, K), dtype=torch.float64)
-    for r0 in range(0, T, step):
-        r1 = min(r0 + step, T)
+    kg_buf = torch.empty(m_rows * K * D, dtype=torch.float64)
+    s_mm, s_buf, e_buf = (torch.empty(m_rows * H * K, dtype=torch.float64) for _ in range(3))
+    o_mm = row_bmm_buffer(m_rows, H, dv)
+    for r0, r1, w in row_runs(row_extents(valid, SLOT_MULTIPLE), step):
         n = r1 - r0
-        v = valid[r0:r1]
-        kg = _gather_rows(table, rows[r0:r1], kg_buf)
-        s = torch.mul(row_bmm(q[r0:r1], kg.transpose(1, 2), out=s_mm[:n]), scale, out=s_buf[:n])
+        v = valid[r0:r1, :w]
+        kg = torch.index_select(table, 0, rows[r0:r1, :w].reshape(-1),
+                                out=carve(kg_buf, n * w, D)).view(n, w, D)
+        s = torch.mul(row_bmm(q[r0:r1], kg.transpose(1, 2), out=carve(s_mm, n, H, w)), scale,
+                      out=carve(s_buf, n, H, w))
         s.masked_fill_(~v.unsqueeze(1), -INF)
         m = s.amax(dim=-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         has_key = v.any(dim=1, keepdim=True)                           # [n, 1]
-        total = torch.sub(s, m, out=e_buf[:n]).exp_().sum(dim=-1)
+        total = torch.sub(s, m, out=carve(e_buf, n, H, w)).exp_().sum(dim=-1)
         total = torch.where(has_key, total, torch.ones_like(total))
         lse_c = torch.where(has_key, torch.log(total) + m.squeeze(-1), torch.full_like(total, INF))
         empty = torch.isinf(lse_c) & (lse_c > 0)                        # as _probabilities
         full = logaddexp(torch.where(empty, torch.zeros_like(lse_c), lse_c), sink.unsqueeze(0))
-        p = torch.sub(s, full.unsqueeze(-1), out=e_buf[:n]).exp_()
+        p = torch.sub(s, full.unsqueeze(-1), out=carve(e_buf, n, H, w)).exp_()
         p.masked_fill_(empty.unsqueeze(-1), 0.0)
         out[r0:r1] = row_bmm(p, kg[:, :, :dv], out=o_mm[:n])
         lse[r0:r1] = lse_c
@@ -152,14 +147,13 @@ def sparse_attention_forward(q, kv, ids, sink, *, scale=None, v_dim=None, length
         return _forward_no_grad(q, kv, ids, valid, sink, scale, dv, step)
     safe = torch.where(valid, ids, torch.zeros_like(ids))
     outs, lses = [], []
-    for r0 in range(0, T, step):
-        r1 = min(r0 + step, T)
+    for r0, r1, w in row_runs(row_extents(valid, SLOT_MULTIPLE), step):
         n = r1 - r0
-        v = valid[r0:r1]
-        kg = kv.index_select(0, safe[r0:r1].reshape(-1)).view(n, K, D)
+        v = valid[r0:r1, :w]
+        kg = kv.index_select(0, safe[r0:r1, :w].reshape(-1)).view(n, w, D)
         kg = kg.masked_fill(~v.unsqueeze(-1), 0.0)  # unselected rows (even NaN) never leak
         s = _scores(q[r0:r1], kg, v, scale)
-        m = s.amax(dim=-1, keepdim=True) if K else torch.full((n, H, 1), -INF, dtype=s.dtype)
+        m = s.amax(dim=-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()
         has_key = v.any(dim=1, keepdim=True)                           # [n, 1]
         total = torch.exp(s - m).sum(dim=-1)
@@ -205,21 +199,22 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
     dkv = torch.zeros((S + 1, D), dtype=torch.float64)       # row S: discard row of the fold
     sink_terms = torch.empty((T, H), dtype=torch.float64)
     m_rows = min(step, T)
-    kg_buf = torch.empty((m_rows * K, D), dtype=torch.float64)
-    hk_mm = row_bmm_buffer(m_rows, H, K)
+    kg_buf = torch.empty(m_rows * K * D, dtype=torch.float64)
+    hk_mm, p_buf, ds_buf = (torch.empty(m_rows * H * K, dtype=torch.float64) for _ in range(3))
     hd_mm = row_bmm_buffer(m_rows, H, D)
-    kd_mm, kv_mm = row_bmm_buffer(m_rows, K, D), row_bmm_buffer(m_rows, K, dv)
-    p_buf, ds_buf = (torch.empty((m_rows, H, K), dtype=torch.float64) for _ in range(2))
-    c_buf = torch.empty((m_rows, K, D), dtype=torch.float64)
-    for r0 in range(0, T, step):
-        r1 = min(r0 + step, T)
+    kd_mm = torch.empty(m_rows * K * _round_up(D, 8), dtype=torch.float64)
+    kv_mm = torch.empty(m_rows * K * _round_up(dv, 8), dtype=torch.float64)
+    c_buf = torch.empty(m_rows * K * D, dtype=torch.float64)
+    for r0, r1, w in row_runs(row_extents(valid, SLOT_MULTIPLE), step):
         n = r1 - r0
-        v = valid[r0:r1]
-        kg = _gather_rows(table, rows[r0:r1], kg_buf)
+        v = valid[r0:r1, :w]
+        kg = torch.index_select(table, 0, rows[r0:r1, :w].reshape(-1),
+                                out=carve(kg_buf, n * w, D)).view(n, w, D)
         l = lse[r0:r1]
         empty = (torch.isinf(l) & (l > 0)) | ~v.any(dim=1, keepdim=True)
         # p = _probabilities(_scores(q, kg, v, scale), l, sink), masked on empty rows
-        p = torch.mul(row_bmm(q[r0:r1], kg.transpose(1, 2), out=hk_mm[:n]), scale, out=p_buf[:n])
+        p = torch.mul(row_bmm(q[r0:r1], kg.transpose(1, 2), out=carve(hk_mm, n, H, w)), scale,
+                      out=carve(p_buf, n, H, w))
         p.masked_fill_(~v.unsqueeze(1), -INF)
         no_key = torch.isinf(l) & (l > 0)
         full = logaddexp(torch.where(no_key, torch.zeros_like(l), l), sink.unsqueeze(0))
@@ -227,13 +222,15 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
         p.masked_fill_(no_key.unsqueeze(-1), 0.0).masked_fill_(empty.unsqueeze(-1), 0.0)
         do = dout[r0:r1]
         delta = (do * out[r0:r1]).sum(dim=-1)                          # [n, H]
-        dp = row_bmm(do, kg[:, :, :dv].transpose(1, 2), out=hk_mm[:n])  # [n, H, K]
-        ds = torch.sub(dp, delta.unsqueeze(-1), out=ds_buf[:n]).mul_(p)
+        dp = row_bmm(do, kg[:, :, :dv].transpose(1, 2), out=carve(hk_mm, n, H, w))  # [n,H,w]
+        ds = torch.sub(dp, delta.unsqueeze(-1), out=carve(ds_buf, n, H, w)).mul_(p)
         torch.mul(row_bmm(ds, kg, out=hd_mm[:n]), scale, out=dq[r0:r1])
-        contrib = torch.mul(row_bmm(ds.transpose(1, 2), q[r0:r1], out=kd_mm[:n]), scale,
-                            out=c_buf[:n])                             # [n, K, D]
-        contrib[:, :, :dv] += row_bmm(p.transpose(1, 2), do, out=kv_mm[:n])
-        fold_slot_rows_into(dkv, rows[r0:r1], contrib)
+        contrib = torch.mul(row_bmm(ds.transpose(1, 2), q[r0:r1],
+                                    out=carve(kd_mm, n, w, _round_up(D, 8))), scale,
+                            out=carve(c_buf, n, w, D))                 # [n, w, D]
+        contrib[:, :, :dv] += row_bmm(p.transpose(1, 2), do,
+                                      out=carve(kv_mm, n, w, _round_up(dv, 8)))
+        fold_slot_rows_into(dkv, rows[r0:r1, :w], contrib)
         # p_sink = exp(sink - logaddexp(lse, sink)) = sigmoid(sink - lse); 1 when sink = +inf.
         p_sink = sigmoid(sink.unsqueeze(0) - l).masked_fill(empty, 0.0)
         sink_terms[r0:r1] = -(p_sink * delta)

@@ -9,7 +9,8 @@ import torch
 from ._checks import as_float64, as_index, as_int, as_real, check_dim, choice
 from ._checks import chunk_rows as rows_per_chunk
 from ._pointwise import logaddexp
-from ._reduce import fold_slot_rows_into, ordered_sum, row_bmm, row_bmm_buffer
+from ._reduce import (_round_up, carve, fold_slot_rows_into, ordered_sum, row_bmm,
+                      row_bmm_buffer, row_extents, row_runs)
 from .layout import PackedLayout
 
 __all__ = ["IndexerLoss", "sparse_indexer_loss", "sparse_indexer_loss_grad"]
@@ -17,6 +18,7 @@ __all__ = ["IndexerLoss", "sparse_indexer_loss", "sparse_indexer_loss_grad"]
 INF = math.inf
 FLT_MIN = 2.0 ** -126
 CHUNK_BYTES = 1 << 25  # work buffers per chunk: small enough to stay in cache, reused across chunks
+SLOT_MULTIPLE = 64     # per-row slot extents are multiples of this (see _reduce.row_extents)
 
 
 class IndexerLoss(NamedTuple):
@@ -93,37 +95,37 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
     safe = torch.where(valid, ids, torch.zeros_like(ids))
     full = logaddexp(lse, sink.unsqueeze(0))                             # LSEf [T, H]
     target = torch.zeros((T, Kc), dtype=torch.float64)
-    predict = torch.zeros((T, Kc), dtype=torch.float64)
-    kl = torch.zeros(T, dtype=torch.float64)
-    step = rows_per_chunk(chunk_rows, 8 * Kc * (D + 3 * H), CHUNK_BYTES)
-    # The teacher is detached: its products and pointwise steps run in work buffers reused
-    # across chunks. Invalid slots gather a zero row (unselected rows, even NaN, never leak).
+    # The teacher is detached: per row over its own slot extent (a multiple of 64 covering its
+    # last valid slot, so its bits never depend on the caller's width or on other rows), in work
+    # buffers reused across chunks. Invalid slots gather a zero row (even NaN rows never leak).
+    width = _round_up(max(Kc, 1), SLOT_MULTIPLE)
+    vpad = torch.cat([valid, valid.new_zeros((T, width - Kc))], dim=1)
+    rows = torch.cat([torch.where(valid, ids, torch.full_like(ids, C)),
+                      ids.new_full((T, width - Kc), C)], dim=1)
     table = torch.cat([kc, kc.new_zeros((1, D))])
-    rows = torch.where(valid, ids, torch.full_like(ids, C))
+    step = rows_per_chunk(chunk_rows, 8 * width * (D + 3 * H), CHUNK_BYTES)
     m_rows = min(step, T)
-    kg_buf = torch.empty((m_rows * Kc, D), dtype=torch.float64)
-    a_mm = row_bmm_buffer(m_rows, H, Kc)
-    a_buf = torch.empty((m_rows, H, Kc), dtype=torch.float64)
-    for r0 in range(0, T, step):
-        r1 = min(r0 + step, T)
+    kg_buf = torch.empty(m_rows * width * D, dtype=torch.float64)
+    a_mm, a_buf = (torch.empty(m_rows * H * width, dtype=torch.float64) for _ in range(2))
+    lsef_finite = torch.isfinite(full).all(dim=1, keepdim=True)           # rows with teacher mass
+    for r0, r1, w in row_runs(row_extents(vpad, SLOT_MULTIPLE), step):
         n = r1 - r0
-        v = valid[r0:r1]
-        f = full[r0:r1]
-        massive = v & torch.isfinite(f).all(dim=1, keepdim=True)       # rows with teacher mass
-        kg = torch.index_select(table, 0, rows[r0:r1].reshape(-1),
-                                out=kg_buf[: n * Kc]).view(n, Kc, D)
-        log_a = torch.mul(row_bmm(q[r0:r1], kg.transpose(1, 2), out=a_mm[:n]), scale,
-                          out=a_buf[:n]).sub_(f.unsqueeze(-1))            # [n, H, Kc]
-        log_a.masked_fill_(~massive.unsqueeze(1), -INF)
-        per_c = torch.logsumexp(log_a, dim=1)                              # [n, Kc]
+        massive = vpad[r0:r1, :w] & lsef_finite[r0:r1]
+        kg = torch.index_select(table, 0, rows[r0:r1, :w].reshape(-1),
+                                out=carve(kg_buf, n * w, D)).view(n, w, D)
+        log_a = torch.mul(row_bmm(q[r0:r1], kg.transpose(1, 2), out=carve(a_mm, n, H, w)),
+                          scale, out=carve(a_buf, n, H, w)).sub_(full[r0:r1].unsqueeze(-1))
+        log_a.masked_fill_(~massive.unsqueeze(1), -INF)                  # [n, H, w]
+        per_c = torch.logsumexp(log_a, dim=1)                              # [n, w]
         norm = torch.logsumexp(per_c, dim=1, keepdim=True)
         norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
         tau = torch.where(massive, torch.exp(per_c - norm), torch.zeros_like(per_c))
-        sc = scores[r0:r1] if C else scores.new_zeros((n, 1))  # C = 0: every slot is invalid
-        p = _masked_softmax(torch.gather(sc, 1, safe[r0:r1]), massive)
-        target[r0:r1] = tau
-        predict[r0:r1] = p
-        kl[r0:r1] = _kl(tau, p, massive, floor)
+        target[r0:r1, : min(w, Kc)] = tau[:, :Kc]
+    # The student (differentiable wrt index_scores) and the KL, per row over the Kc slots.
+    massive = valid & lsef_finite
+    sc = scores if C else scores.new_zeros((T, 1))  # C = 0: every slot is invalid
+    predict = _masked_softmax(torch.gather(sc, 1, safe), massive)
+    kl = _kl(target, predict, massive, floor)
     loss = coeff * ordered_sum(kl) / n_real
     return IndexerLoss(loss, kl, target, predict, n_real)
 
@@ -199,29 +201,35 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
     dq = torch.zeros_like(q)
     dw = torch.zeros_like(w)
     dk = torch.zeros((C + 1, DI), dtype=torch.float64)   # row C: discard row of the fold
-    step = rows_per_chunk(chunk_rows, 8 * Kc * (2 * DI + 4 * HI), CHUNK_BYTES)
-    # _indexer_logits' z and the chain below, in work buffers reused across chunks; invalid
-    # slots gather a zero row (unselected rows, even NaN, never leak) and fold into the discard row.
+    # _indexer_logits' z and the chain below, per row over its own slot extent (see
+    # sparse_indexer_loss), in work buffers reused across chunks; invalid slots gather a zero
+    # row (unselected rows, even NaN, never leak) and fold into the discard row.
+    width = _round_up(max(Kc, 1), SLOT_MULTIPLE)
+    vpad = torch.cat([valid, valid.new_zeros((T, width - Kc))], dim=1)
+    rows = torch.cat([torch.where(valid, ids, torch.full_like(ids, C)),
+                      ids.new_full((T, width - Kc), C)], dim=1)
+    g = torch.cat([g, g.new_zeros((T, width - Kc))], dim=1)
     table = torch.cat([k, k.new_zeros((1, DI))])
-    rows = torch.where(valid, ids, torch.full_like(ids, C))
+    step = rows_per_chunk(chunk_rows, 8 * width * (2 * DI + 4 * HI), CHUNK_BYTES)
     m_rows = min(step, T)
-    kg_buf = torch.empty((m_rows * Kc, DI), dtype=torch.float64)
-    z_mm, dw_mm = row_bmm_buffer(m_rows, HI, Kc), row_bmm_buffer(m_rows, HI, 1)
-    dq_mm, c_mm = row_bmm_buffer(m_rows, HI, DI), row_bmm_buffer(m_rows, Kc, DI)
-    relu_buf, gate_buf = (torch.empty((m_rows, HI, Kc), dtype=torch.float64) for _ in range(2))
-    for r0 in range(0, T, step):
-        r1 = min(r0 + step, T)
+    kg_buf = torch.empty(m_rows * width * DI, dtype=torch.float64)
+    z_mm, relu_buf, gate_buf = (torch.empty(m_rows * HI * width, dtype=torch.float64)
+                                for _ in range(3))
+    c_mm = torch.empty(m_rows * width * _round_up(DI, 8), dtype=torch.float64)
+    dw_mm, dq_mm = row_bmm_buffer(m_rows, HI, 1), row_bmm_buffer(m_rows, HI, DI)
+    for r0, r1, ext in row_runs(row_extents(vpad, SLOT_MULTIPLE), step):
         n = r1 - r0
-        kg = torch.index_select(table, 0, rows[r0:r1].reshape(-1),
-                                out=kg_buf[: n * Kc]).view(n, Kc, DI)
-        z = row_bmm(q[r0:r1], kg.transpose(1, 2), out=z_mm[:n])          # [n, H_I, Kc]
-        gc = g[r0:r1]
-        relu_z = relu_buf[:n].copy_(z).relu_()
+        kg = torch.index_select(table, 0, rows[r0:r1, :ext].reshape(-1),
+                                out=carve(kg_buf, n * ext, DI)).view(n, ext, DI)
+        z = row_bmm(q[r0:r1], kg.transpose(1, 2), out=carve(z_mm, n, HI, ext))  # [n, H_I, ext]
+        gc = g[r0:r1, :ext]
+        relu_z = carve(relu_buf, n, HI, ext).copy_(z).relu_()
         torch.mul(row_bmm(relu_z, gc.unsqueeze(-1), out=dw_mm[:n]).squeeze(-1), scale,
                   out=dw[r0:r1])
-        gate = gate_buf[:n].copy_(z > 0)
+        gate = carve(gate_buf, n, HI, ext).copy_(z > 0)
         gate.mul_((scale * w[r0:r1]).unsqueeze(-1)).mul_(gc.unsqueeze(1))
         dq[r0:r1] = row_bmm(gate, kg, out=dq_mm[:n])                      # [n, H_I, D_I]
-        contrib = row_bmm(gate.transpose(1, 2), q[r0:r1], out=c_mm[:n])   # [n, Kc, D_I]
-        fold_slot_rows_into(dk, rows[r0:r1], contrib)
+        contrib = row_bmm(gate.transpose(1, 2), q[r0:r1],
+                          out=carve(c_mm, n, ext, _round_up(DI, 8)))        # [n, ext, D_I]
+        fold_slot_rows_into(dk, rows[r0:r1, :ext], contrib)
     return dq, dw, dk[:C]
