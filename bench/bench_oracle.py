@@ -19,8 +19,9 @@ stage's starting RSS is read from ``VmHWM`` after resetting it through ``/proc/s
 
 FLOPs count a multiply-add as 2 and only the matrix products (exp/log/mask passes are not
 counted: they are part of what separates a measured time from the GEMM floor). The oracle's
-*nominal* count is what it computes (all ``T x width`` slots, padding rows included); its
-*useful* count is the valid slots only. ``floor = nominal FLOPs / measured float64 GEMM rate``.
+*computed* count is what it evaluates: every row over its own slot extent (its last valid slot
++ 1 rounded up to 64, padding rows one extent of 64); its *useful* count is the valid slots only.
+``floor = computed FLOPs / measured float64 GEMM rate``.
 Formulas: :func:`oracle_flops`, :func:`dense_flops`.
 
 Usage::
@@ -53,7 +54,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import reference as ref  # noqa: E402
 from reference import dense  # noqa: E402
-from reference.attention import valid_slots  # noqa: E402
+from reference._reduce import row_extents  # noqa: E402
+from reference.attention import SLOT_MULTIPLE, valid_slots  # noqa: E402
 
 STAGES = ("indexer_scores", "topk_and_ids", "attn_forward", "attn_backward",
           "indexer_loss", "loss_grad")
@@ -129,10 +131,18 @@ def indexer_pairs(lay: ref.PackedLayout, ratio: int) -> int:
     return int((lay.doc_lengths * lay.compressed_counts(ratio)).sum())
 
 
+def computed_slots(valid: torch.Tensor) -> int:
+    """(row, slot) pairs the oracle evaluates for a ``[T, width]`` validity mask: each row over
+    its own extent, its last valid slot + 1 rounded up to 64 (``reference._reduce.row_extents``)."""
+    width = -(-max(valid.shape[1], 1) // SLOT_MULTIPLE) * SLOT_MULTIPLE
+    padded = torch.cat([valid, valid.new_zeros((valid.shape[0], width - valid.shape[1]))], 1)
+    return int(row_extents(padded, SLOT_MULTIPLE).sum())
+
+
 def oracle_flops(shape: Shape, lay: ref.PackedLayout, attn_slots: int, loss_slots: int) -> dict:
     """Per stage, for ``attn_slots`` attention (row, slot) pairs and ``loss_slots`` loss pairs
-    (nominal: ``T * width`` with ``width = K + W`` rounded up to 64, and ``T * K``; useful: the
-    valid pairs):
+    (computed: :func:`computed_slots`, what the oracle evaluates; useful: the valid pairs only;
+    full width: ``T (K + W)`` and ``T K``):
 
     - indexer_scores: ``sum_b L_b n_b (2 H_I D_I + 2 H_I)``  (z = q_idx k_idx^T; w . relu(z))
     - attn_forward:   ``attn_slots H (2 D + 2 Dv)``          (s = q k^T; out = P v)
@@ -503,13 +513,16 @@ def child_main(kind: str, shape: Shape, repeats: int, out_path: str, save_path: 
         if save_path:
             torch.save({k: v.detach() for k, v in res.items()}, save_path)
         num_keys = shape.T + lay.num_compressed(shape.ratio)
+        attn_valid = valid_slots(res["ids"], num_keys, res["lengths"])
+        loss_valid = (res["cids"] >= 0) & lay.is_real.unsqueeze(1)
         result = dict(
             kind=kind, shape=asdict(shape),
             cu_seqlens=lay.cu_seqlens.tolist(), cu_seqlens_padded=lay.cu_seqlens_padded.tolist(),
             num_compressed=lay.num_compressed(shape.ratio),
-            attn_width=-(-int(res["ids"].shape[1]) // 64) * 64,  # the oracle pads to 64 slots
-            valid_attn_slots=int(valid_slots(res["ids"], num_keys, res["lengths"]).sum()),
-            valid_loss_slots=int(((res["cids"] >= 0) & lay.is_real.unsqueeze(1)).sum()),
+            attn_width=int(res["ids"].shape[1]), loss_width=int(res["cids"].shape[1]),
+            computed_attn_slots=computed_slots(attn_valid),
+            computed_loss_slots=computed_slots(loss_valid),
+            valid_attn_slots=int(attn_valid.sum()), valid_loss_slots=int(loss_valid.sum()),
             seconds=timer.seconds, pipeline_seconds=totals,
             peak_extra_bytes=timer.peak_extra, per_stage_peak=timer.can_reset,
             inputs_rss_bytes=base,
@@ -576,7 +589,7 @@ def summarize(kind_result: dict, flops: dict, gemm_gflops: float) -> dict:
 def table(o_rows: dict, useful: dict, d_rows: dict | None, dense_scale: float) -> str:
     """Markdown table: the oracle's stages, and the dense form's (scaled to ``T`` by FLOPs when
     it was measured at a smaller ``T``)."""
-    lines = ["| stage | oracle s | GFLOP nominal | GFLOP/s | x GEMM floor | GFLOP useful | "
+    lines = ["| stage | oracle s | GFLOP computed | GFLOP/s | x GEMM floor | GFLOP useful | "
              "peak +MiB | dense s | dense GFLOP | dense / oracle |",
              "|" + "---|" * 10]
     for st in STAGES + ("total",):
@@ -662,8 +675,10 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         o_save, d_save = os.path.join(tmp, "oracle.pt"), os.path.join(tmp, "dense.pt")
         o = spawn("oracle", shape, repeats, a.threads, o_save if check else None)
-        nominal = oracle_flops(shape, lay, shape.T * o["attn_width"], shape.T * shape.K)
+        nominal = oracle_flops(shape, lay, o["computed_attn_slots"], o["computed_loss_slots"])
         useful = oracle_flops(shape, lay, o["valid_attn_slots"], o["valid_loss_slots"])
+        full_width = oracle_flops(shape, lay, shape.T * o["attn_width"],
+                                  shape.T * o["loss_width"])
         o_rows = summarize(o, nominal, rate)
         print(f"oracle T={shape.T}: {o_rows['total']['seconds']:.2f} s, "
               f"{o_rows['total']['to_floor']:.2f}x the GEMM floor", flush=True)
@@ -672,6 +687,7 @@ def main(argv=None):
                       gemm=gemm, shape=asdict(shape), layout=dict(
                           cu_seqlens=o["cu_seqlens"], cu_seqlens_padded=o["cu_seqlens_padded"]),
                       oracle=o, oracle_stages=o_rows, oracle_useful_flops=useful,
+                      oracle_full_width_flops=full_width,
                       oracle_over_floor=o_rows["total"]["to_floor"])
         d_rows, dense_scale = None, 1.0
         if not a.no_dense:
@@ -684,7 +700,8 @@ def main(argv=None):
             if not same_T:
                 o_small = spawn("oracle", d_shape, repeats, a.threads)
                 o_small_rows = summarize(o_small, oracle_flops(
-                    d_shape, d_lay, dense_T * o_small["attn_width"], dense_T * d_shape.K), rate)
+                    d_shape, d_lay, o_small["computed_attn_slots"],
+                    o_small["computed_loss_slots"]), rate)
                 dense_scale = sum(dense_flops(shape, lay).values()) / sum(
                     dense_flops(d_shape, d_lay).values())
                 report.update(oracle_at_dense_T=o_small, oracle_at_dense_T_stages=o_small_rows,

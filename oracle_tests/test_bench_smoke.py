@@ -48,15 +48,20 @@ def test_quick_bench_reports_every_stage_of_both_forms(quick_report):
 
 def test_quick_bench_flop_counts_follow_the_stated_formulas(quick_report):
     report, _ = quick_report
-    s = report["shape"]
+    s, o = report["shape"], report["oracle"]
     T, H, D, HI, DI, K = s["T"], s["H"], s["D"], s["HI"], s["DI"], s["K"]
-    width = -(-(K + s["W"]) // 64) * 64                  # the oracle pads slots to 64
-    C = report["oracle"]["num_compressed"]
+    C = o["num_compressed"]
+    # rows are evaluated over their own extents (multiples of 64, one extent per row at least)
+    for kind, width in (("attn", K + s["W"]), ("loss", K)):
+        done, valid = o[f"computed_{kind}_slots"], o[f"valid_{kind}_slots"]
+        assert done % 64 == 0 and T * 64 <= done <= T * -(-width // 64) * 64 and valid <= done
+    attn, loss = o["computed_attn_slots"], o["computed_loss_slots"]
     oracle = {st: row["flops"] for st, row in report["oracle_stages"].items()}
-    assert oracle["attn_forward"] == T * width * H * 4 * D
-    assert oracle["attn_backward"] == T * width * H * 10 * D
-    assert oracle["indexer_loss"] == T * K * H * 2 * D
-    assert oracle["loss_grad"] == T * K * HI * (6 * DI + 2)
+    assert oracle["attn_forward"] == attn * H * 4 * D
+    assert oracle["attn_backward"] == attn * H * 10 * D
+    assert oracle["indexer_loss"] == loss * H * 2 * D
+    assert oracle["loss_grad"] == loss * HI * (6 * DI + 2)
+    assert report["oracle_full_width_flops"]["attn_forward"] == T * (K + s["W"]) * H * 4 * D
     dense_rows = {st: row["flops"] for st, row in report["dense_stages"].items()}
     assert dense_rows["attn_forward"] == T * (T + C) * H * 4 * D
     assert dense_rows["indexer_scores"] == T * C * (2 * HI * DI + 2 * HI)
