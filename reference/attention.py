@@ -1,10 +1,14 @@
 """Sparse attention with a per-head sink, forward and closed-form backward (contract section 6).
 
 Gather-based: each row reads only its own ``K`` key rows, so work is ``O(T*K*D)`` and memory is
-bounded by processing rows in chunks; no ``T x S`` mask is ever built. Every per-row quantity
-comes from batched products whose batch element is the row, so a row's bits do not depend on
-the chunk it is evaluated in; sums over rows (``dkv``, ``dsink``) are left folds in
-(row, slot) order (see ``_reduce``), so they do not depend on chunking either.
+bounded by processing rows in chunks; no ``T x S`` mask is ever built. Each row is evaluated
+over its own slot extent (its last valid slot + 1 rounded up to 64, ``_reduce.row_extents``),
+in runs of consecutive rows of equal extent. Every per-row quantity comes from batched products
+whose batch element is the row, so a row's bits depend only on its own ids, never on the chunk
+it is evaluated in or on the caller's width; sums over rows (``dkv``, ``dsink``) are left folds
+in (row, slot) order (see ``_reduce``), so they do not depend on chunking either. Without a
+gradient to track, the work runs in buffers reused across chunks (speed: ``bench/bench_oracle.py``
+and ``docs/PERFORMANCE.md``).
 """
 from __future__ import annotations
 
