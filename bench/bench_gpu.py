@@ -106,6 +106,48 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def bench_keymajor(x: dict, T: int, reps: int, row, log, sweep: bool = False):
+    """The key-major deterministic backward (gpu_impl.kernels_triton_keymajor) against the
+    planes kernel on the same inputs: bitwise replays, relative difference, time (whole call,
+    plan building included), the dq kernel alone, and a small config sweep. Needs no cuDNN."""
+    from gpu_impl import kernels_triton_keymajor as km
+    q, kv, ids, lengths, sink, dout = x["q"], x["kv"], x["ids"], x["lengths"], x["sink"], x["dout"]
+    scale = D ** -0.5
+    n = int(lengths.sum())
+    f_bwd = 2.0 * n * H * (3 * D + 2 * DV)
+    out, lse = kt.attention_forward(q, kv, ids, sink, scale, DV, lengths)
+    stats: dict = {}
+    a = km.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV, lengths, stats=stats)
+    b = km.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV, lengths)
+    same = all(torch.equal(u, v) for u, v in zip(a, b))
+    p = kt.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV, lengths)
+    log(f"T={T} keymajor {stats}; bitwise replay equal: {same}; vs planes: dq rel "
+        f"{rel(a[0], p[0]):.2e}, dkv rel {rel(a[1], p[1]):.2e}, dsink rel {rel(a[2], p[2]):.2e}")
+    row("attention bwd: Triton planes (deterministic)",
+        timeit(lambda: kt.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV,
+                                             lengths), reps), f_bwd, note=f"{kt.BACKWARD_CONFIG}")
+    row("attention bwd: Triton key-major (deterministic)",
+        timeit(lambda: km.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV,
+                                             lengths), reps), f_bwd,
+        note=f"replay equal {same}; {stats}; {km.KEYMAJOR_CONFIG}")
+    delta, full2, _ = km._row_statistics(out, lse, dout, sink)
+    row("attention bwd: key-major dq kernel alone",
+        timeit(lambda: km.dq_rows(q, kv, ids, lengths, dout, full2, delta, scale, DV), reps),
+        2.0 * n * H * (2 * D + DV))
+    valid = km._valid_slots(ids, kv.shape[0], lengths)
+    row("attention bwd: key-major plan (torch, ids -> pairs/counts)",
+        timeit(lambda: km.keymajor_plan(ids, valid, kv.shape[0], rows_per_block=1, block_s=64,
+                                        programs=264, max_dense_ratio=4.0), reps))
+    if sweep:
+        for cfg in (dict(num_stages=2, d_chunks=8), dict(block_m=128), dict(programs_per_sm=4)):
+            try:
+                row("attention bwd: key-major sweep", timeit(lambda: km.attention_backward(
+                    q, kv, ids, sink, out, lse, dout, scale, DV, lengths, **cfg), reps), f_bwd,
+                    note=f"{cfg}")
+            except Exception as exc:                               # keep sweeping
+                log(f"FAILED key-major {cfg}: {type(exc).__name__}: {str(exc)[:300]}")
+
+
 def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: list, log):
     x = make_inputs(T)
     q, kv, ids, lengths, sink, dout = x["q"], x["kv"], x["ids"], x["lengths"], x["sink"], x["dout"]
@@ -208,6 +250,7 @@ def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: li
     attempt("bwd triton", lambda: row("attention bwd: Triton fixed-order (deterministic)",
                                       timeit(bwd_triton, reps), f_bwd, b_bwd,
                                       f"config {kt.BACKWARD_CONFIG}"))
+    attempt("bwd keymajor", lambda: bench_keymajor(x, T, reps, row, log))
     if sweep:
         for cfg in (dict(num_stages=2), dict(num_stages=3), dict(num_warps=4, programs=264),
                     dict(num_warps=4, programs=396), dict(block_d=256), dict(block_d=64),
@@ -276,6 +319,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--det-backward-only", action="store_true",
+                    help="only the deterministic backward: key-major vs planes (no cuDNN)")
     args = ap.parse_args()
     lines = []
 
@@ -289,6 +334,16 @@ def main():
     log(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {rate / 1e12:.0f} TFLOP/s")
     rows: list = []
     for i, T in enumerate(args.T):
+        if args.det_backward_only:
+            def row(what, ms, flops=None, note="", T=T):
+                r = dict(T=T, what=what, ms=round(ms, 4), note=note)
+                if flops:
+                    r["TFLOPs"] = round(flops / (ms * 1e-3) / 1e12, 1)
+                rows.append(r)
+                log(json.dumps(r))
+            bench_keymajor(make_inputs(T), T, args.reps, row, log,
+                           sweep=not args.no_sweep and i == 0)
+            continue
         bench_shape(T, args.reps, bw, rate, sweep=not args.no_sweep and i == 0, rows=rows, log=log)
         torch.cuda.empty_cache()
     log("\n| T | what | ms | TFLOP/s | compute floor ms | memory floor ms | note |")

@@ -469,6 +469,12 @@ def sparse_attention_forward(q, kv, ids, sink, *, scale=None, v_dim=None, length
     return res["out"], res["lse"]
 
 
+# The SM90 deterministic attention backward: "planes" (gpu_impl.kernels_triton) or "keymajor"
+# (gpu_impl.kernels_triton_keymajor, which falls back to planes where its tiles do not fit).
+# Both are bitwise repeatable; the choice is by measured speed (docs/CUDNN.md).
+DETERMINISTIC_BACKWARD = "planes"
+
+
 def _backward_route(q, dv, deterministic: bool):
     T, H, D = q.shape
     major = _capability(q.device)[0] if q.device.type == "cuda" else 0
@@ -481,6 +487,9 @@ def _backward_route(q, dv, deterministic: bool):
     if not deterministic and major == 9 and cudnn_shape:
         return "cudnn", ("cudnn.sparse_attention_backward_wrapper (SM90; dkv/dsink float atomics: "
                          "not repeatable)")
+    if DETERMINISTIC_BACKWARD == "keymajor":
+        return "triton", ("gpu_impl.kernels_triton_keymajor.attention_backward (key-major dkv, "
+                          "planes fallback)")
     return "triton", "gpu_impl.kernels_triton.attention_backward (fixed-order planes)"
 
 
@@ -523,6 +532,8 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
     dout_c = dout.to(q.dtype).contiguous()
     if route == "triton":
         kt = _triton_kernels()
+        if DETERMINISTIC_BACKWARD == "keymajor":
+            kt = importlib.import_module("gpu_impl.kernels_triton_keymajor")
         with torch.cuda.device(dev):
             return kt.attention_backward(q, kv, ids, sink32, out_c, lse32, dout_c, scale, dv,
                                          lengths)

@@ -1,0 +1,179 @@
+"""The key-major deterministic attention backward (:mod:`gpu_impl.kernels_triton_keymajor`).
+
+- CPU (where triton is installed; skipped otherwise): the kernels under the Triton interpreter
+  (``TRITON_INTERPRET=1``, in a subprocess so the interpreter choice cannot leak into other
+  tests) on small float16 cases with duplicate and hostile ids, judged against the float64
+  oracle through the error model; the fallback to the planes kernel for spread ids.
+- GPU (``gpu``; Triton only, no cuDNN needed): bf16 cases (heavy contention with duplicates, odd shapes with
+  hostile ids, a CSA-like H 64 / D 512 case with window and compressed keys): the key-major
+  route is taken, bitwise replays, inputs untouched, error-model ratios against the oracle,
+  and the backend's deterministic route with ``DETERMINISTIC_BACKWARD = "keymajor"``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from .impl_harness import content_hash
+from .test_impl_cudnn import (_attention_inputs, _judge_backward, _replay_differences,
+                              assert_verdicts)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_INTERPRETED = textwrap.dedent("""
+    import json, sys, torch
+    import reference as R
+    from reference import error_model as EM
+    from gpu_impl import kernels_triton_keymajor as km
+    from oracle_tests.impl_harness import CUDNN_CUDA
+    from dsv4_oracle.compare import compare_numeric
+    T, H, D, DV, S, K, spread = json.loads(sys.argv[1])
+    g = torch.Generator().manual_seed(5)
+    dt = torch.float16
+    q = torch.randn(T, H, D, generator=g).to(dt)
+    kv = torch.randn(S, D, generator=g).to(dt)
+    dout = torch.randn(T, H, DV, generator=g).to(dt)
+    sink = torch.randn(H, generator=g)
+    sink[0] = -float("inf")
+    if spread:                        # every row picks keys all over a large S
+        ids = torch.randint(0, S, (T, K), generator=g)
+    else:                             # a causal window plus a few shared keys, duplicates
+        t = torch.arange(T).unsqueeze(1)
+        ids = torch.cat([t - torch.arange(K // 2), torch.randint(0, 8, (T, K - K // 2),
+                                                                  generator=g)], 1)
+        ids[:, 1] = ids[:, 0]
+        bad = torch.tensor([-2 ** 31, -1, S, S + 5, 2 ** 31 - 1])
+        m = torch.rand(T, K, generator=g) < 0.15
+        ids = torch.where(m, bad[torch.randint(0, 5, (T, K), generator=g)], ids)
+    ids = ids.to(torch.int32)
+    lengths = torch.randint(0, K + 3, (T,), generator=g).to(torch.int32)
+    lengths[2] = -1
+    o64, l64 = R.sparse_attention_forward(q.double(), kv.double(), ids, sink.double(),
+                                          v_dim=DV, lengths=lengths)
+    out, lse = o64.to(dt), l64.float()
+    before = [x.clone() for x in (q, kv, ids, lengths)]
+    stats = {}
+    got = km.attention_backward(q, kv, ids, sink, out, lse, dout, D ** -0.5, DV, lengths,
+                                stats=stats, block_m=32, block_s=16, programs_per_sm=2,
+                                max_dense_ratio=4.0 if spread else 1e6)
+    same = all(torch.equal(a, b) for a, b in zip(before, (q, kv, ids, lengths)))
+    ref = R.sparse_attention_backward(q, kv, ids, sink, out, lse, dout, v_dim=DV,
+                                      lengths=lengths)
+    bounds = EM.attention_backward_bound(q, kv, ids, sink, out, lse, dout, *ref,
+                                         precision=CUDNN_CUDA.precision(dt), v_dim=DV,
+                                         lengths=lengths)
+    ratios = {}
+    for name, a, b, bb in zip(("dq", "dkv", "dsink"), got, ref, bounds):
+        c = compare_numeric(name, a, b, bb)
+        ratios[name] = [bool(c.passed if hasattr(c, "passed") else c.ok), str(c.ratio)]
+    print("RESULT " + json.dumps(dict(stats=stats, ratios=ratios, untouched=same)))
+""")
+
+
+def _interpret(args):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep
+               + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", _INTERPRETED, json.dumps(args)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=240)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, f"interpreted run failed:\n{r.stdout}\n{r.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed (the interpreter lane needs it)")
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", [(40, 4, 32, 32, 60, 12), (33, 3, 48, 32, 50, 10)],
+                         ids=["h4-d32", "odd-h3-d48-dv32"])
+def test_keymajor_interpreted_against_oracle(shape):
+    """Key-major tiles (duplicates, hostile ids, bad lengths, empty rows, a -inf sink) agree
+    with the float64 oracle within the error model; the caller's tensors are untouched."""
+    res = _interpret(list(shape) + [False])
+    assert res["stats"]["route"] == "keymajor", res
+    assert res["untouched"], res
+    bad = {k: v for k, v in res["ratios"].items() if not v[0]}
+    assert not bad, f"error-model ratios exceeded: {res['ratios']}"
+
+
+@needs_triton
+def test_keymajor_falls_back_to_planes_for_spread_ids():
+    res = _interpret([24, 2, 16, 16, 4000, 8, True])
+    assert res["stats"]["route"] == "planes" and "spread" in res["stats"]["why"], res
+    assert not {k: v for k, v in res["ratios"].items() if not v[0]}, res["ratios"]
+
+
+def _csa_like_inputs(T, seed):
+    """H 64, D 512: per row a causal window of 32 and 64 compressed keys among the visible
+    ones (ids T..T+T/4-1), compacted with lengths, plus a few duplicates."""
+    g = torch.Generator().manual_seed(seed)
+    H, D, W, KC = 64, 512, 32, 64
+    C = T // 4
+    q = torch.randn(T, H, D, generator=g).to(torch.bfloat16)
+    kv = torch.randn(T + C, D, generator=g).to(torch.bfloat16)
+    t = torch.arange(T).unsqueeze(1)
+    vis = (t // 4 + 1).clamp(max=C)
+    cmp = (torch.rand(T, KC, generator=g) * vis).long() + T
+    win = t - torch.arange(W).unsqueeze(0)
+    ids = torch.cat([win, cmp], 1)
+    ids = torch.where(ids >= 0, ids, torch.full_like(ids, -1))
+    valid = ids >= 0
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+    ids = torch.gather(ids, 1, order).to(torch.int32)
+    lengths = valid.sum(1).to(torch.int32)
+    sink = torch.randn(H, generator=g)
+    dout = torch.randn(T, H, D, generator=g).to(torch.bfloat16)
+    return q, kv, ids, lengths, sink, dout
+
+
+@pytest.mark.parametrize("shape", [
+    dict(T=2048, H=16, D=64, S=24, K=64, dup_keys=24),          # thousands of rows per key
+    dict(T=300, H=5, D=48, dv=32, S=200, K=40, hostile=True),    # odd shapes, hostile ids
+    "csa-like",
+], ids=["contention", "hostile-odd", "csa-like-h64-d512"])
+@pytest.mark.gpu
+def test_keymajor_backward_gpu(shape, replays, monkeypatch):
+    """Bitwise replays (at least 5), inputs untouched, oracle error-model ratios; through the
+    backend's deterministic route with the key-major kernel selected."""
+    from gpu_impl import cudnn_backend as cb
+    from gpu_impl import kernels_triton_keymajor as km
+    if shape == "csa-like":
+        q, kv, ids, lengths, sink, dout = (t.cuda() for t in _csa_like_inputs(384, seed=3))
+        dv = 512
+    else:
+        shape = dict(shape)
+        dv = shape.pop("dv", None)
+        q, kv, ids, lengths, sink, dout = (t.cuda() for t in _attention_inputs(**shape, seed=7,
+                                                                                 dv=dv))
+        dv = dv or q.shape[2]
+    out, lse = cb.sparse_attention_forward(q, kv, ids, sink, v_dim=dv, lengths=lengths)
+    stats: dict = {}
+    km.attention_backward(q, kv, ids, sink, out, lse, dout, q.shape[2] ** -0.5, dv, lengths,
+                          stats=stats, fallback=False, max_dense_ratio=1e6)
+    assert stats["route"] == "keymajor", stats
+    monkeypatch.setattr(cb, "DETERMINISTIC_BACKWARD", "keymajor")
+    monkeypatch.setitem(km.KEYMAJOR_CONFIG, "max_dense_ratio", 1e6)
+    if importlib.util.find_spec("cudnn") is not None:      # describe() needs the frontend
+        assert "keymajor" in cb.describe("sparse_attention_backward", q, kv, ids, sink, out, lse,
+                                         dout, v_dim=dv)
+    before = content_hash(dict(ids=ids, lengths=lengths, q=q, kv=kv))
+
+    def run():
+        dq, dkv, ds = cb.sparse_attention_backward(q, kv, ids, sink, out, lse, dout, v_dim=dv,
+                                                   lengths=lengths, deterministic=True)
+        return {"dq": dq, "dkv": dkv, "dsink": ds}
+    diffs = _replay_differences(run, max(replays, 5))
+    assert not diffs, f"key-major backward differs across replays: {diffs}"
+    assert content_hash(dict(ids=ids, lengths=lengths, q=q, kv=kv)) == before
+    r = run()
+    assert_verdicts(_judge_backward(q, kv, ids, sink, lengths, out, lse, dout,
+                                    (r["dq"], r["dkv"], r["dsink"]), dv),
+                    f"key-major bwd {shape} {stats}")
