@@ -6,17 +6,31 @@ untouched. Checks on types, dtypes, shapes and devices read only tensor metadata
 launched). The few checks that depend on tensor *values* (NaN scores or sinks, compressed ids
 outside a row's visibility) run one small reduction and a host synchronisation; they also come
 before any of the op's real work. Nothing here ever writes to a tensor it is given.
+
+The ``validate_<op>`` functions hold each op's argument validation, shared by
+:mod:`gpu_impl.torch_backend` and :mod:`gpu_impl.cudnn_backend` (so the two backends differ only
+in what they compute); each returns a NamedTuple of the converted arguments. They check in a
+fixed order (the order the error messages are documented and tested in) and read metadata
+only, except :func:`validate_stable_topk` (NaN scores); the ops' other value checks go through
+:func:`reject_nan`, which a backend calls after its own device check.
 """
 from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 
+from reference.layout import PackedLayout
+
 __all__ = [
-    "FLOAT_DTYPES", "INDEX_DTYPES", "as_bool", "as_int", "as_real", "check_dim", "choice",
-    "float_tensor", "index_tensor", "same_device",
+    "AttentionArgs", "AttentionBackwardArgs", "FLOAT_DTYPES", "INDEX_DTYPES",
+    "IndexerLossArgs", "IndexerLossGradArgs", "IndexerScoresArgs", "TopkArgs", "as_bool",
+    "as_int", "as_real", "check_dim", "check_layout", "choice", "float_tensor", "has_nan",
+    "index_tensor", "reject_nan", "same_device", "validate_attention_backward",
+    "validate_attention_forward", "validate_indexer_scores", "validate_sparse_indexer_loss",
+    "validate_sparse_indexer_loss_grad", "validate_stable_topk",
 ]
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -99,3 +113,252 @@ def as_bool(x, name: str) -> bool:
     if not isinstance(x, bool):
         raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
     return x
+
+
+def check_layout(layout) -> PackedLayout:
+    if not isinstance(layout, PackedLayout):
+        raise TypeError(f"layout must be a reference.PackedLayout, got {type(layout).__name__}")
+    return layout
+
+
+def has_nan(x: torch.Tensor) -> bool:
+    """Whether a float tensor holds a NaN (one reduction and a host synchronisation)."""
+    return x.is_floating_point() and bool(torch.isnan(x).any())
+
+
+def reject_nan(**named) -> None:
+    """``ValueError("<name> contains NaN")`` for the first named tensor that holds a NaN."""
+    for name, t in named.items():
+        if has_nan(t):
+            raise ValueError(f"{name} contains NaN")
+
+
+# --------------------------------------------------------------------------------------------
+# per-op validation (contract sections 4, 6, 7, 8), shared by the backends
+# --------------------------------------------------------------------------------------------
+class TopkArgs(NamedTuple):
+    scores: torch.Tensor
+    k: int
+    order: str
+    align: int | None
+    width: int                  # k rounded up to a multiple of align
+    deterministic: bool
+
+
+def validate_stable_topk(scores, k, order, align, deterministic) -> TopkArgs:
+    """Section 4 arguments, then the NaN check on ``scores`` (the one value check)."""
+    s = float_tensor(scores, "scores", ndim=2)
+    k = as_int(k, "k", minimum=0)
+    order = choice(order, "order", ("id", "score"))
+    deterministic = as_bool(deterministic, "deterministic")
+    width = k
+    if align is not None:
+        align = as_int(align, "align", minimum=1)
+        width = -(-k // align) * align
+    if has_nan(s):
+        bad = torch.nonzero(torch.isnan(s))[0].tolist()
+        raise ValueError(f"scores contains NaN (first at row {bad[0]}, column {bad[1]}); "
+                         "Top-K selection is undefined")
+    return TopkArgs(s, k, order, align, width, deterministic)
+
+
+class IndexerScoresArgs(NamedTuple):
+    q_idx: torch.Tensor
+    k_idx: torch.Tensor
+    weights: torch.Tensor
+    ratio: int
+    num_compressed: int         # C of the layout at this ratio
+    scale: float
+    device: torch.device
+
+
+def validate_indexer_scores(q_idx, k_idx, weights, layout, ratio, scale,
+                            deterministic) -> IndexerScoresArgs:
+    """Section 7 arguments (metadata only)."""
+    check_layout(layout)
+    ratio = as_int(ratio, "ratio", minimum=1)
+    q = float_tensor(q_idx, "q_idx", ndim=3)
+    k = float_tensor(k_idx, "k_idx", ndim=2)
+    w = float_tensor(weights, "weights", ndim=2)
+    as_bool(deterministic, "deterministic")
+    dev = same_device(q_idx=q, k_idx=k, weights=w)
+    T, HI, DI = q.shape
+    check_dim(q, "q_idx", 0, layout.num_rows, "layout.num_rows")
+    check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
+    C = layout.num_compressed(ratio)
+    check_dim(k, "k_idx", 0, C, f"compressed groups of the layout at ratio {ratio}")
+    check_dim(w, "weights", 0, T, "rows T")
+    check_dim(w, "weights", 1, HI, "indexer heads H_I")
+    scale = DI ** -0.5 if scale is None else as_real(scale, "scale")
+    return IndexerScoresArgs(q, k, w, ratio, C, scale, dev)
+
+
+class AttentionArgs(NamedTuple):
+    q: torch.Tensor
+    kv: torch.Tensor
+    ids: torch.Tensor
+    sink: torch.Tensor
+    scale: float
+    v_dim: int
+    lengths: torch.Tensor | None
+    deterministic: bool
+
+
+def validate_attention_forward(q, kv, ids, sink, scale, v_dim, lengths,
+                               deterministic) -> AttentionArgs:
+    """Section 6 forward arguments (metadata only; the sink's NaN check is the caller's)."""
+    q = float_tensor(q, "q", ndim=3)
+    kv = float_tensor(kv, "kv", ndim=2)
+    ids = index_tensor(ids, "ids", ndim=2)
+    sink = float_tensor(sink, "sink", ndim=1)
+    if lengths is not None:
+        lengths = index_tensor(lengths, "lengths", ndim=1)
+    same_device(q=q, kv=kv, ids=ids, sink=sink, lengths=lengths)
+    T, H, D = q.shape
+    check_dim(kv, "kv", 1, D, "q head dim D")
+    check_dim(ids, "ids", 0, T, "q rows T")
+    check_dim(sink, "sink", 0, H, "q heads H")
+    if lengths is not None:
+        check_dim(lengths, "lengths", 0, T, "q rows T")
+    if q.dtype != kv.dtype:
+        raise TypeError(f"q ({q.dtype}) and kv ({kv.dtype}) must have the same dtype")
+    dv = D if v_dim is None else as_int(v_dim, "v_dim", minimum=1)
+    if dv > D:
+        raise ValueError(f"v_dim={dv} exceeds the head dim D={D}")
+    scale = D ** -0.5 if scale is None else as_real(scale, "scale")
+    deterministic = as_bool(deterministic, "deterministic")
+    return AttentionArgs(q, kv, ids, sink, scale, dv, lengths, deterministic)
+
+
+class AttentionBackwardArgs(NamedTuple):
+    q: torch.Tensor
+    kv: torch.Tensor
+    ids: torch.Tensor
+    sink: torch.Tensor
+    scale: float
+    v_dim: int
+    lengths: torch.Tensor | None
+    deterministic: bool
+    out: torch.Tensor
+    lse: torch.Tensor
+    dout: torch.Tensor
+
+
+def validate_attention_backward(q, kv, ids, sink, out, lse, dout, scale, v_dim, lengths,
+                                deterministic) -> AttentionBackwardArgs:
+    """Section 6 backward arguments: the forward's, then ``out``, ``lse``, ``dout``."""
+    a = validate_attention_forward(q, kv, ids, sink, scale, v_dim, lengths, deterministic)
+    T, H, _ = a.q.shape
+    out = float_tensor(out, "out", ndim=3)
+    lse = float_tensor(lse, "lse", ndim=2)
+    dout = float_tensor(dout, "dout", ndim=3)
+    same_device(q=a.q, out=out, lse=lse, dout=dout)
+    for name, t, shape in (("out", out, (T, H, a.v_dim)), ("lse", lse, (T, H)),
+                           ("dout", dout, (T, H, a.v_dim))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    return AttentionBackwardArgs(*a, out, lse, dout)
+
+
+class IndexerLossArgs(NamedTuple):
+    q: torch.Tensor
+    kv_cmp: torch.Tensor
+    sink: torch.Tensor
+    lse: torch.Tensor
+    compressed_ids: torch.Tensor
+    index_scores: torch.Tensor
+    coeff: float
+    scale: float
+    loss_floor: float
+    num_real: int
+    device: torch.device
+
+
+def validate_sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout,
+                                 coeff, scale, num_real, loss_floor,
+                                 deterministic) -> IndexerLossArgs:
+    """Section 8 loss arguments (metadata only; the NaN checks of ``sink``, ``lse`` and
+    ``index_scores`` are the caller's)."""
+    check_layout(layout)
+    q = float_tensor(q, "q", ndim=3)
+    kc = float_tensor(kv_cmp, "kv_cmp", ndim=2)
+    sink = float_tensor(sink, "sink", ndim=1)
+    lse = float_tensor(lse, "lse", ndim=2)
+    ids = index_tensor(compressed_ids, "compressed_ids", ndim=2)
+    scores = float_tensor(index_scores, "index_scores", ndim=2)
+    as_bool(deterministic, "deterministic")
+    dev = same_device(q=q, kv_cmp=kc, sink=sink, lse=lse, compressed_ids=ids,
+                      index_scores=scores)
+    T, H, D = q.shape
+    check_dim(q, "q", 0, layout.num_rows, "layout.num_rows")
+    check_dim(kc, "kv_cmp", 1, D, "q head dim D")
+    check_dim(sink, "sink", 0, H, "q heads H")
+    check_dim(lse, "lse", 0, T, "rows T")
+    check_dim(lse, "lse", 1, H, "heads H")
+    check_dim(ids, "compressed_ids", 0, T, "rows T")
+    check_dim(scores, "index_scores", 0, T, "rows T")
+    check_dim(scores, "index_scores", 1, kc.shape[0], "compressed keys C (rows of kv_cmp)")
+    if q.dtype != kc.dtype:
+        raise TypeError(f"q ({q.dtype}) and kv_cmp ({kc.dtype}) must have the same dtype")
+    coeff = as_real(coeff, "coeff")
+    scale = D ** -0.5 if scale is None else as_real(scale, "scale")
+    floor = as_real(loss_floor, "loss_floor", positive=True)
+    n_real = layout.num_real if num_real is None else as_int(num_real, "num_real", minimum=1)
+    if n_real < 1:
+        raise ValueError("num_real: the layout has no real tokens; N must be >= 1")
+    return IndexerLossArgs(q, kc, sink, lse, ids, scores, coeff, scale, floor, n_real, dev)
+
+
+class IndexerLossGradArgs(NamedTuple):
+    q_idx: torch.Tensor
+    k_idx: torch.Tensor
+    weights: torch.Tensor
+    compressed_ids: torch.Tensor
+    target: torch.Tensor
+    predict: torch.Tensor
+    coeff: float
+    num_real: int
+    grad_loss: float
+    scale: float
+    grad_floor: float
+    loss_floor: float
+    mode: str
+    deterministic: bool
+    device: torch.device
+
+
+def validate_sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, predict,
+                                      coeff, num_real, grad_loss, scale, grad_floor, mode,
+                                      loss_floor, deterministic) -> IndexerLossGradArgs:
+    """Section 8 gradient arguments (metadata only; the NaN checks of ``target`` and
+    ``predict`` are the caller's)."""
+    q = float_tensor(q_idx, "q_idx", ndim=3)
+    k = float_tensor(k_idx, "k_idx", ndim=2)
+    w = float_tensor(weights, "weights", ndim=2)
+    ids = index_tensor(compressed_ids, "compressed_ids", ndim=2)
+    tau = float_tensor(target, "target", ndim=2)
+    p_in = float_tensor(predict, "predict", ndim=2)
+    deterministic = as_bool(deterministic, "deterministic")
+    dev = same_device(q_idx=q, k_idx=k, weights=w, compressed_ids=ids, target=tau,
+                      predict=p_in)
+    T, HI, DI = q.shape
+    Kc = ids.shape[1]
+    check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
+    check_dim(w, "weights", 0, T, "rows T")
+    check_dim(w, "weights", 1, HI, "indexer heads H_I")
+    check_dim(ids, "compressed_ids", 0, T, "rows T")
+    for name, t in (("target", tau), ("predict", p_in)):
+        if tuple(t.shape) != (T, Kc):
+            raise ValueError(f"{name} must have shape {(T, Kc)} like compressed_ids, "
+                             f"got {tuple(t.shape)}")
+    if q.dtype != k.dtype:
+        raise TypeError(f"q_idx ({q.dtype}) and k_idx ({k.dtype}) must have the same dtype")
+    coeff = as_real(coeff, "coeff")
+    n_real = as_int(num_real, "num_real", minimum=1)
+    grad_loss = as_real(grad_loss, "grad_loss")
+    scale = DI ** -0.5 if scale is None else as_real(scale, "scale")
+    e = as_real(grad_floor, "grad_floor", positive=True)
+    floor = as_real(loss_floor, "loss_floor", positive=True)
+    mode = choice(mode, "mode", ("clipped", "autograd"))
+    return IndexerLossGradArgs(q, k, w, ids, tau, p_in, coeff, n_real, grad_loss, scale, e,
+                               floor, mode, deterministic, dev)

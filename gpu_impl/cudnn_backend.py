@@ -52,11 +52,12 @@ import math
 import torch
 
 from reference.indexer_loss import IndexerLoss
-from reference.layout import PackedLayout
 
 from . import torch_backend
-from .checks import (as_bool, as_int, as_real, check_dim, choice, float_tensor, index_tensor,
-                     same_device)
+from .checks import (choice, reject_nan, validate_attention_backward,
+                     validate_attention_forward, validate_indexer_scores,
+                     validate_sparse_indexer_loss, validate_sparse_indexer_loss_grad,
+                     validate_stable_topk)
 
 __all__ = [
     "BACKEND_NAME", "CudnnBackendUnavailable", "build_csa_indices", "describe",
@@ -172,16 +173,6 @@ def _require_cuda(name: str, t: torch.Tensor) -> torch.device:
     return t.device
 
 
-def _has_nan(x: torch.Tensor) -> bool:
-    return x.is_floating_point() and bool(torch.isnan(x).any())
-
-
-def _check_layout(layout) -> PackedLayout:
-    if not isinstance(layout, PackedLayout):
-        raise TypeError(f"layout must be a reference.PackedLayout, got {type(layout).__name__}")
-    return layout
-
-
 def _compact(ids: torch.Tensor, valid: torch.Tensor):
     """Valid entries to the front in order, -1 after; int32 ids and lengths (copies)."""
     T, K = ids.shape
@@ -228,18 +219,8 @@ def stable_topk(scores, k, *, order: str = "id", align: int | None = None,
     ids ascending). Default mode: the non-deterministic kernel, whose output order is then
     sorted (the set at an exact tie is not guaranteed to be the smallest ids there).
     """
-    s = float_tensor(scores, "scores", ndim=2)
-    k = as_int(k, "k", minimum=0)
-    order = choice(order, "order", ("id", "score"))
-    deterministic = as_bool(deterministic, "deterministic")
-    width = k
-    if align is not None:
-        align = as_int(align, "align", minimum=1)
-        width = -(-k // align) * align
-    if _has_nan(s):
-        bad = torch.nonzero(torch.isnan(s))[0].tolist()
-        raise ValueError(f"scores contains NaN (first at row {bad[0]}, column {bad[1]}); "
-                         "Top-K selection is undefined")
+    s, k, order, align, width, deterministic = validate_stable_topk(scores, k, order, align,
+                                                                    deterministic)
     _require_cuda("scores", s)
     route, _ = _topk_route(s, k, deterministic)
     if route == "torch":
@@ -306,21 +287,9 @@ def indexer_scores(q_idx, k_idx, weights, layout, ratio, *, scale=None, chunk_ro
     ids ``cu_comp[b] + c`` (each target written once). ``w`` is used as given (bf16) with
     ``sm_scale = scale``: no ``w*scale`` rounding.
     """
-    _check_layout(layout)
-    ratio = as_int(ratio, "ratio", minimum=1)
-    q = float_tensor(q_idx, "q_idx", ndim=3)
-    k = float_tensor(k_idx, "k_idx", ndim=2)
-    w = float_tensor(weights, "weights", ndim=2)
-    as_bool(deterministic, "deterministic")
-    dev = same_device(q_idx=q, k_idx=k, weights=w)
-    T, HI, DI = q.shape
-    check_dim(q, "q_idx", 0, layout.num_rows, "layout.num_rows")
-    check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
-    C = layout.num_compressed(ratio)
-    check_dim(k, "k_idx", 0, C, f"compressed groups of the layout at ratio {ratio}")
-    check_dim(w, "weights", 0, T, "rows T")
-    check_dim(w, "weights", 1, HI, "indexer heads H_I")
-    scale = DI ** -0.5 if scale is None else as_real(scale, "scale")
+    q, k, w, ratio, C, scale, dev = validate_indexer_scores(q_idx, k_idx, weights, layout,
+                                                            ratio, scale, deterministic)
+    T = q.shape[0]
     _require_cuda("q_idx", q)
     route, _ = _indexer_route(q, k, w)
     if route == "torch":
@@ -386,29 +355,6 @@ def q_rms_norm(q, eps: float = 1e-6, *, deterministic: bool = True):
 # --------------------------------------------------------------------------------------------
 # section 6: sparse attention with a sink
 # --------------------------------------------------------------------------------------------
-def _attention_inputs(q, kv, ids, sink, scale, v_dim, lengths):
-    q = float_tensor(q, "q", ndim=3)
-    kv = float_tensor(kv, "kv", ndim=2)
-    ids = index_tensor(ids, "ids", ndim=2)
-    sink = float_tensor(sink, "sink", ndim=1)
-    if lengths is not None:
-        lengths = index_tensor(lengths, "lengths", ndim=1)
-    same_device(q=q, kv=kv, ids=ids, sink=sink, lengths=lengths)
-    T, H, D = q.shape
-    check_dim(kv, "kv", 1, D, "q head dim D")
-    check_dim(ids, "ids", 0, T, "q rows T")
-    check_dim(sink, "sink", 0, H, "q heads H")
-    if lengths is not None:
-        check_dim(lengths, "lengths", 0, T, "q rows T")
-    if q.dtype != kv.dtype:
-        raise TypeError(f"q ({q.dtype}) and kv ({kv.dtype}) must have the same dtype")
-    dv = D if v_dim is None else as_int(v_dim, "v_dim", minimum=1)
-    if dv > D:
-        raise ValueError(f"v_dim={dv} exceeds the head dim D={D}")
-    scale = D ** -0.5 if scale is None else as_real(scale, "scale")
-    return q, kv, ids, sink, scale, dv, lengths
-
-
 def _forward_route(q, dv, kernel: str):
     T, H, D = q.shape
     major = _capability(q.device)[0] if q.device.type == "cuda" else 0
@@ -436,13 +382,11 @@ def sparse_attention_forward(q, kv, ids, sink, *, scale=None, v_dim=None, length
     ``"triton"``, ``"cudnn_sdpa"`` (graph SDPA on gathered keys, kept for measurement) or
     ``"cudnn_dsa"`` (SM100 only).
     """
-    q, kv, ids, sink, scale, dv, lengths = _attention_inputs(q, kv, ids, sink, scale, v_dim,
-                                                             lengths)
-    as_bool(deterministic, "deterministic")
+    q, kv, ids, sink, scale, dv, lengths, _ = validate_attention_forward(
+        q, kv, ids, sink, scale, v_dim, lengths, deterministic)
     kernel = choice(kernel, "kernel", ("auto", "triton", "cudnn_sdpa", "cudnn_dsa"))
     dev = _require_cuda("q", q)
-    if _has_nan(sink):
-        raise ValueError("sink contains NaN")
+    reject_nan(sink=sink)
     route, _ = _forward_route(q, dv, kernel)
     if route == "torch":
         return torch_backend.sparse_attention_forward(q, kv, ids, sink, scale=scale, v_dim=dv,
@@ -505,22 +449,12 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
     NOT bitwise repeatable) on sanitised copies of ids/lengths (invalid slots removed,
     compacted; the kernel assumes every slot inside ``topk_length`` is valid).
     """
-    q, kv, ids, sink, scale, dv, lengths = _attention_inputs(q, kv, ids, sink, scale, v_dim,
-                                                             lengths)
-    deterministic = as_bool(deterministic, "deterministic")
-    T, H, D = q.shape
-    S, K = kv.shape[0], ids.shape[1]
-    out = float_tensor(out, "out", ndim=3)
-    lse = float_tensor(lse, "lse", ndim=2)
-    dout = float_tensor(dout, "dout", ndim=3)
-    same_device(q=q, out=out, lse=lse, dout=dout)
-    for name, t, shape in (("out", out, (T, H, dv)), ("lse", lse, (T, H)),
-                           ("dout", dout, (T, H, dv))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    q, kv, ids, sink, scale, dv, lengths, deterministic, out, lse, dout = \
+        validate_attention_backward(q, kv, ids, sink, out, lse, dout, scale, v_dim, lengths,
+                                    deterministic)
     dev = _require_cuda("q", q)
-    if _has_nan(sink):
-        raise ValueError("sink contains NaN")
+    reject_nan(sink=sink)
+    S, K = kv.shape[0], ids.shape[1]
     route, _ = _backward_route(q, dv, deterministic)
     if route == "torch":
         return torch_backend.sparse_attention_backward(
@@ -576,38 +510,13 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
     every head (e.g. a ``+inf`` sink) count as rows with no selection, as in the oracle.
     Student ``softmax`` over the selected columns of ``index_scores`` and the KL in float32.
     """
-    _check_layout(layout)
-    q = float_tensor(q, "q", ndim=3)
-    kc = float_tensor(kv_cmp, "kv_cmp", ndim=2)
-    sink = float_tensor(sink, "sink", ndim=1)
-    lse = float_tensor(lse, "lse", ndim=2)
-    ids = index_tensor(compressed_ids, "compressed_ids", ndim=2)
-    scores = float_tensor(index_scores, "index_scores", ndim=2)
-    as_bool(deterministic, "deterministic")
-    dev = same_device(q=q, kv_cmp=kc, sink=sink, lse=lse, compressed_ids=ids,
-                      index_scores=scores)
+    q, kc, sink, lse, ids, scores, coeff, scale, floor, n_real, dev = \
+        validate_sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout,
+                                     coeff, scale, num_real, loss_floor, deterministic)
+    _require_cuda("q", q)
+    reject_nan(sink=sink, lse=lse, index_scores=scores)
     T, H, D = q.shape
     C, Kc = kc.shape[0], ids.shape[1]
-    check_dim(q, "q", 0, layout.num_rows, "layout.num_rows")
-    check_dim(kc, "kv_cmp", 1, D, "q head dim D")
-    check_dim(sink, "sink", 0, H, "q heads H")
-    check_dim(lse, "lse", 0, T, "rows T")
-    check_dim(lse, "lse", 1, H, "heads H")
-    check_dim(ids, "compressed_ids", 0, T, "rows T")
-    check_dim(scores, "index_scores", 0, T, "rows T")
-    check_dim(scores, "index_scores", 1, C, "compressed keys C (rows of kv_cmp)")
-    if q.dtype != kc.dtype:
-        raise TypeError(f"q ({q.dtype}) and kv_cmp ({kc.dtype}) must have the same dtype")
-    coeff = as_real(coeff, "coeff")
-    scale = D ** -0.5 if scale is None else as_real(scale, "scale")
-    floor = as_real(loss_floor, "loss_floor", positive=True)
-    n_real = layout.num_real if num_real is None else as_int(num_real, "num_real", minimum=1)
-    if n_real < 1:
-        raise ValueError("num_real: the layout has no real tokens; N must be >= 1")
-    _require_cuda("q", q)
-    for name, t in (("sink", sink), ("lse", lse), ("index_scores", scores)):
-        if _has_nan(t):
-            raise ValueError(f"{name} contains NaN")
     route, _ = _loss_route(q)
     if route == "torch" or Kc == 0 or T == 0 or C == 0:
         return torch_backend.sparse_indexer_loss(
@@ -674,38 +583,14 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
     the contract's global ``N``. Its ``attn_score`` argument is overwritten in place, so it gets
     a copy. Ids are sanitised (invalid -> -1) and padded to a multiple of 128 on copies.
     """
-    q = float_tensor(q_idx, "q_idx", ndim=3)
-    k = float_tensor(k_idx, "k_idx", ndim=2)
-    w = float_tensor(weights, "weights", ndim=2)
-    ids = index_tensor(compressed_ids, "compressed_ids", ndim=2)
-    tau = float_tensor(target, "target", ndim=2)
-    p_in = float_tensor(predict, "predict", ndim=2)
-    deterministic = as_bool(deterministic, "deterministic")
-    dev = same_device(q_idx=q, k_idx=k, weights=w, compressed_ids=ids, target=tau,
-                      predict=p_in)
-    T, HI, DI = q.shape
-    C, Kc = k.shape[0], ids.shape[1]
-    check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
-    check_dim(w, "weights", 0, T, "rows T")
-    check_dim(w, "weights", 1, HI, "indexer heads H_I")
-    check_dim(ids, "compressed_ids", 0, T, "rows T")
-    for name, t in (("target", tau), ("predict", p_in)):
-        if tuple(t.shape) != (T, Kc):
-            raise ValueError(f"{name} must have shape {(T, Kc)} like compressed_ids, "
-                             f"got {tuple(t.shape)}")
-    if q.dtype != k.dtype:
-        raise TypeError(f"q_idx ({q.dtype}) and k_idx ({k.dtype}) must have the same dtype")
-    coeff = as_real(coeff, "coeff")
-    n_real = as_int(num_real, "num_real", minimum=1)
-    grad_loss = as_real(grad_loss, "grad_loss")
-    scale = DI ** -0.5 if scale is None else as_real(scale, "scale")
-    e = as_real(grad_floor, "grad_floor", positive=True)
-    floor = as_real(loss_floor, "loss_floor", positive=True)
-    mode = choice(mode, "mode", ("clipped", "autograd"))
+    q, k, w, ids, tau, p_in, coeff, n_real, grad_loss, scale, e, floor, mode, deterministic, \
+        dev = validate_sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target,
+                                                predict, coeff, num_real, grad_loss, scale,
+                                                grad_floor, mode, loss_floor, deterministic)
     _require_cuda("q_idx", q)
-    for name, t in (("target", tau), ("predict", p_in)):
-        if _has_nan(t):
-            raise ValueError(f"{name} contains NaN")
+    reject_nan(target=tau, predict=p_in)
+    T = q.shape[0]
+    C, Kc = k.shape[0], ids.shape[1]
     route, _ = _grad_route(q, w, mode, e, deterministic)
     kwargs = dict(coeff=coeff, num_real=n_real, grad_loss=grad_loss, scale=scale, grad_floor=e,
                   mode=mode, loss_floor=floor, chunk_rows=chunk_rows)

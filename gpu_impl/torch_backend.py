@@ -42,8 +42,11 @@ import torch
 from reference.indexer_loss import IndexerLoss
 from reference.layout import PackedLayout
 
-from .checks import (as_bool, as_int, as_real, check_dim, choice, float_tensor, index_tensor,
-                     same_device)
+from .checks import (as_bool, as_int, as_real, check_dim, check_layout, choice, float_tensor,
+                     index_tensor, reject_nan, validate_attention_backward,
+                     validate_attention_forward, validate_indexer_scores,
+                     validate_sparse_indexer_loss, validate_sparse_indexer_loss_grad,
+                     validate_stable_topk)
 
 __all__ = [
     "BACKEND_NAME", "IndexerLoss", "SCATTER_METHODS", "build_csa_indices",
@@ -177,16 +180,6 @@ def _layout_rows(layout: PackedLayout, device: torch.device):
     return (layout.pos.to(device), layout.is_real.to(device), layout.doc.to(device))
 
 
-def _check_layout(layout) -> PackedLayout:
-    if not isinstance(layout, PackedLayout):
-        raise TypeError(f"layout must be a reference.PackedLayout, got {type(layout).__name__}")
-    return layout
-
-
-def _has_nan(x: torch.Tensor) -> bool:
-    return bool(torch.isnan(x).any())
-
-
 # --------------------------------------------------------------------------------------------
 # section 4: stable Top-K
 # --------------------------------------------------------------------------------------------
@@ -199,18 +192,7 @@ def stable_topk(scores, k, *, order: str = "id", align: int | None = None,
     Returns int32 ``(ids [T, width], lengths [T])``; unused slots are -1. A stable sort is
     deterministic, so ``deterministic`` changes nothing here.
     """
-    s = float_tensor(scores, "scores", ndim=2)
-    k = as_int(k, "k", minimum=0)
-    order = choice(order, "order", ("id", "score"))
-    as_bool(deterministic, "deterministic")
-    width = k
-    if align is not None:
-        align = as_int(align, "align", minimum=1)
-        width = -(-k // align) * align
-    if _has_nan(s):
-        bad = torch.nonzero(torch.isnan(s))[0].tolist()
-        raise ValueError(f"scores contains NaN (first at row {bad[0]}, column {bad[1]}); "
-                         "Top-K selection is undefined")
+    s, k, order, align, width, _ = validate_stable_topk(scores, k, order, align, deterministic)
     rows, cols = s.shape
     dev = s.device
     take = min(k, cols)
@@ -240,21 +222,9 @@ def indexer_scores(q_idx, k_idx, weights, layout, ratio, *, scale=None, chunk_ro
     device. Per document, rows in chunks: ``z`` is one float32-accumulated GEMM, the head sum
     an elementwise float32 reduction (no TF32 involved for bf16 inputs).
     """
-    _check_layout(layout)
-    ratio = as_int(ratio, "ratio", minimum=1)
-    q = float_tensor(q_idx, "q_idx", ndim=3)
-    k = float_tensor(k_idx, "k_idx", ndim=2)
-    w = float_tensor(weights, "weights", ndim=2)
-    as_bool(deterministic, "deterministic")
-    dev = same_device(q_idx=q, k_idx=k, weights=w)
+    q, k, w, ratio, C, scale, dev = validate_indexer_scores(q_idx, k_idx, weights, layout,
+                                                            ratio, scale, deterministic)
     T, HI, DI = q.shape
-    check_dim(q, "q_idx", 0, layout.num_rows, "layout.num_rows")
-    check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
-    C = layout.num_compressed(ratio)
-    check_dim(k, "k_idx", 0, C, f"compressed groups of the layout at ratio {ratio}")
-    check_dim(w, "weights", 0, T, "rows T")
-    check_dim(w, "weights", 1, HI, "indexer heads H_I")
-    scale = DI ** -0.5 if scale is None else as_real(scale, "scale")
     out = torch.full((T, C), -INF, dtype=F32, device=dev)
     cu_pad = layout.cu_seqlens_padded.tolist()
     cu_comp = layout.compressed_offsets(ratio).tolist()
@@ -307,7 +277,7 @@ def build_csa_indices(layout, *, window, ratio, compressed_ids=None, device=None
     Each non-negative ``compressed_ids`` entry of a real row must be visible to it, else
     ``ValueError``. ``compressed_ids`` is never modified.
     """
-    _check_layout(layout)
+    check_layout(layout)
     window = as_int(window, "window", minimum=1)
     ratio = as_int(ratio, "ratio", minimum=0)
     as_bool(deterministic, "deterministic")
@@ -363,29 +333,6 @@ def build_csa_indices(layout, *, window, ratio, compressed_ids=None, device=None
 # --------------------------------------------------------------------------------------------
 # section 6: sparse attention with a sink
 # --------------------------------------------------------------------------------------------
-def _attention_inputs(q, kv, ids, sink, scale, v_dim, lengths):
-    q = float_tensor(q, "q", ndim=3)
-    kv = float_tensor(kv, "kv", ndim=2)
-    ids = index_tensor(ids, "ids", ndim=2)
-    sink = float_tensor(sink, "sink", ndim=1)
-    if lengths is not None:
-        lengths = index_tensor(lengths, "lengths", ndim=1)
-    same_device(q=q, kv=kv, ids=ids, sink=sink, lengths=lengths)
-    T, H, D = q.shape
-    check_dim(kv, "kv", 1, D, "q head dim D")
-    check_dim(ids, "ids", 0, T, "q rows T")
-    check_dim(sink, "sink", 0, H, "q heads H")
-    if lengths is not None:
-        check_dim(lengths, "lengths", 0, T, "q rows T")
-    if q.dtype != kv.dtype:
-        raise TypeError(f"q ({q.dtype}) and kv ({kv.dtype}) must have the same dtype")
-    dv = D if v_dim is None else as_int(v_dim, "v_dim", minimum=1)
-    if dv > D:
-        raise ValueError(f"v_dim={dv} exceeds the head dim D={D}")
-    scale = D ** -0.5 if scale is None else as_real(scale, "scale")
-    return q, kv, ids, sink, scale, dv, lengths
-
-
 def _row_probabilities(s, lse, sink):
     """``P = exp(s - logaddexp(lse, sink))`` (float32); rows with ``lse = +inf`` get 0."""
     empty = torch.isinf(lse) & (lse > 0)
@@ -401,11 +348,9 @@ def sparse_attention_forward(q, kv, ids, sink, *, scale=None, v_dim=None, length
     ``lse [T, H]`` (natural log, excluding the sink; ``+inf`` and ``out = 0`` on rows with no
     valid slot). Gathers each row's ``K`` key rows (chunked), never a ``T x S`` mask.
     """
-    q, kv, ids, sink, scale, dv, lengths = _attention_inputs(q, kv, ids, sink, scale, v_dim,
-                                                             lengths)
-    as_bool(deterministic, "deterministic")
-    if _has_nan(sink):
-        raise ValueError("sink contains NaN")
+    q, kv, ids, sink, scale, dv, lengths, _ = validate_attention_forward(
+        q, kv, ids, sink, scale, v_dim, lengths, deterministic)
+    reject_nan(sink=sink)
     T, H, D = q.shape
     S, K = kv.shape[0], ids.shape[1]
     dev = q.device
@@ -441,21 +386,12 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
     ``dsink [H]``. Rows with no valid slot contribute nothing. ``dkv`` goes through
     :func:`fixed_order_scatter_add` (``deterministic=False``: ``index_add_``).
     """
-    q, kv, ids, sink, scale, dv, lengths = _attention_inputs(q, kv, ids, sink, scale, v_dim,
-                                                             lengths)
-    deterministic = as_bool(deterministic, "deterministic")
+    q, kv, ids, sink, scale, dv, lengths, deterministic, out, lse, dout = \
+        validate_attention_backward(q, kv, ids, sink, out, lse, dout, scale, v_dim, lengths,
+                                    deterministic)
+    reject_nan(sink=sink)
     T, H, D = q.shape
     S, K = kv.shape[0], ids.shape[1]
-    out = float_tensor(out, "out", ndim=3)
-    lse = float_tensor(lse, "lse", ndim=2)
-    dout = float_tensor(dout, "dout", ndim=3)
-    same_device(q=q, out=out, lse=lse, dout=dout)
-    for name, t, shape in (("out", out, (T, H, dv)), ("lse", lse, (T, H)),
-                           ("dout", dout, (T, H, dv))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if _has_nan(sink):
-        raise ValueError("sink contains NaN")
     dev = q.device
     sink32 = sink.to(F32)
     kv_z = _with_zero_row(kv)
@@ -515,37 +451,12 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
     ``target`` and ``predict`` on the inputs' device; ``num_real`` defaults to
     ``layout.num_real`` (pass the global count under CP).
     """
-    _check_layout(layout)
-    q = float_tensor(q, "q", ndim=3)
-    kc = float_tensor(kv_cmp, "kv_cmp", ndim=2)
-    sink = float_tensor(sink, "sink", ndim=1)
-    lse = float_tensor(lse, "lse", ndim=2)
-    ids = index_tensor(compressed_ids, "compressed_ids", ndim=2)
-    scores = float_tensor(index_scores, "index_scores", ndim=2)
-    as_bool(deterministic, "deterministic")
-    dev = same_device(q=q, kv_cmp=kc, sink=sink, lse=lse, compressed_ids=ids,
-                      index_scores=scores)
+    q, kc, sink, lse, ids, scores, coeff, scale, floor, n_real, dev = \
+        validate_sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout,
+                                     coeff, scale, num_real, loss_floor, deterministic)
+    reject_nan(sink=sink, lse=lse, index_scores=scores)
     T, H, D = q.shape
     C, Kc = kc.shape[0], ids.shape[1]
-    check_dim(q, "q", 0, layout.num_rows, "layout.num_rows")
-    check_dim(kc, "kv_cmp", 1, D, "q head dim D")
-    check_dim(sink, "sink", 0, H, "q heads H")
-    check_dim(lse, "lse", 0, T, "rows T")
-    check_dim(lse, "lse", 1, H, "heads H")
-    check_dim(ids, "compressed_ids", 0, T, "rows T")
-    check_dim(scores, "index_scores", 0, T, "rows T")
-    check_dim(scores, "index_scores", 1, C, "compressed keys C (rows of kv_cmp)")
-    if q.dtype != kc.dtype:
-        raise TypeError(f"q ({q.dtype}) and kv_cmp ({kc.dtype}) must have the same dtype")
-    coeff = as_real(coeff, "coeff")
-    scale = D ** -0.5 if scale is None else as_real(scale, "scale")
-    floor = as_real(loss_floor, "loss_floor", positive=True)
-    n_real = layout.num_real if num_real is None else as_int(num_real, "num_real", minimum=1)
-    if n_real < 1:
-        raise ValueError("num_real: the layout has no real tokens; N must be >= 1")
-    for name, t in (("sink", sink), ("lse", lse), ("index_scores", scores)):
-        if _has_nan(t):
-            raise ValueError(f"{name} contains NaN")
     _, real, _ = _layout_rows(layout, dev)
     valid = (ids >= 0) & (ids < C) & real.unsqueeze(1)
     safe = torch.where(valid, ids, torch.zeros_like(ids)).to(torch.int64)     # score columns
@@ -592,37 +503,13 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
     Both chain through the indexer with the strict gate ``z > 0``; ``dk_idx`` goes through
     :func:`fixed_order_scatter_add`.
     """
-    q = float_tensor(q_idx, "q_idx", ndim=3)
-    k = float_tensor(k_idx, "k_idx", ndim=2)
-    w = float_tensor(weights, "weights", ndim=2)
-    ids = index_tensor(compressed_ids, "compressed_ids", ndim=2)
-    tau = float_tensor(target, "target", ndim=2)
-    p_in = float_tensor(predict, "predict", ndim=2)
-    deterministic = as_bool(deterministic, "deterministic")
-    dev = same_device(q_idx=q, k_idx=k, weights=w, compressed_ids=ids, target=tau,
-                      predict=p_in)
+    q, k, w, ids, tau, p_in, coeff, n_real, grad_loss, scale, e, floor, mode, deterministic, \
+        dev = validate_sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target,
+                                                predict, coeff, num_real, grad_loss, scale,
+                                                grad_floor, mode, loss_floor, deterministic)
+    reject_nan(target=tau, predict=p_in)
     T, HI, DI = q.shape
     C, Kc = k.shape[0], ids.shape[1]
-    check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
-    check_dim(w, "weights", 0, T, "rows T")
-    check_dim(w, "weights", 1, HI, "indexer heads H_I")
-    check_dim(ids, "compressed_ids", 0, T, "rows T")
-    for name, t in (("target", tau), ("predict", p_in)):
-        if tuple(t.shape) != (T, Kc):
-            raise ValueError(f"{name} must have shape {(T, Kc)} like compressed_ids, "
-                             f"got {tuple(t.shape)}")
-    if q.dtype != k.dtype:
-        raise TypeError(f"q_idx ({q.dtype}) and k_idx ({k.dtype}) must have the same dtype")
-    coeff = as_real(coeff, "coeff")
-    n_real = as_int(num_real, "num_real", minimum=1)
-    grad_loss = as_real(grad_loss, "grad_loss")
-    scale = DI ** -0.5 if scale is None else as_real(scale, "scale")
-    e = as_real(grad_floor, "grad_floor", positive=True)
-    floor = as_real(loss_floor, "loss_floor", positive=True)
-    mode = choice(mode, "mode", ("clipped", "autograd"))
-    for name, t in (("target", tau), ("predict", p_in)):
-        if _has_nan(t):
-            raise ValueError(f"{name} contains NaN")
     valid = (ids >= 0) & (ids < C)
     safe = torch.where(valid, ids, torch.full_like(ids, C)).to(torch.int64)
     k_z = _with_zero_row(k)
