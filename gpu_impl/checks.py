@@ -230,18 +230,10 @@ def validate_attention_forward(q, kv, ids, sink, scale, v_dim, lengths,
     return AttentionArgs(q, kv, ids, sink, scale, dv, lengths, deterministic)
 
 
-class AttentionBackwardArgs(NamedTuple):
-    q: torch.Tensor
-    kv: torch.Tensor
-    ids: torch.Tensor
-    sink: torch.Tensor
-    scale: float
-    v_dim: int
-    lengths: torch.Tensor | None
-    deterministic: bool
-    out: torch.Tensor
-    lse: torch.Tensor
-    dout: torch.Tensor
+# the forward's fields, then the backward's own tensors
+AttentionBackwardArgs = NamedTuple("AttentionBackwardArgs", [
+    *AttentionArgs.__annotations__.items(),
+    ("out", torch.Tensor), ("lse", torch.Tensor), ("dout", torch.Tensor)])
 
 
 def validate_attention_backward(q, kv, ids, sink, out, lse, dout, scale, v_dim, lengths,
