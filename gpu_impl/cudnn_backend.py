@@ -144,7 +144,8 @@ def _route(op: str, args: tuple, kwargs: dict, deterministic: bool):
         return _forward_route(q, kwargs.get("v_dim") or q.shape[2], kwargs.get("kernel", "auto"))
     if op == "sparse_attention_backward":
         q = arg(0, "q")
-        return _backward_route(q, kwargs.get("v_dim") or q.shape[2], deterministic)
+        return _backward_route(q, kwargs.get("v_dim") or q.shape[2], deterministic,
+                               kwargs.get("kernel", "auto"))
     if op == "sparse_indexer_loss":
         return _loss_route(arg(0, "q"))
     if op == "sparse_indexer_loss_grad":
@@ -413,13 +414,14 @@ def sparse_attention_forward(q, kv, ids, sink, *, scale=None, v_dim=None, length
     return res["out"], res["lse"]
 
 
-# The SM90 deterministic attention backward: "planes" (gpu_impl.kernels_triton) or "keymajor"
-# (gpu_impl.kernels_triton_keymajor, which falls back to planes where its tiles do not fit).
-# Both are bitwise repeatable; the choice is by measured speed (docs/CUDNN.md).
-DETERMINISTIC_BACKWARD = "planes"
+# The SM90 deterministic attention backward: "planes" (gpu_impl.kernels_triton, the default) or
+# "keymajor" (gpu_impl.kernels_triton_keymajor, which falls back to planes where its tiles do not
+# fit), chosen per call with ``kernel=``. Both are bitwise repeatable; the default is the faster
+# one as measured (docs/CUDNN.md).
+BACKWARD_KERNELS = ("auto", "planes", "keymajor")
 
 
-def _backward_route(q, dv, deterministic: bool):
+def _backward_route(q, dv, deterministic: bool, kernel: str = "auto"):
     T, H, D = q.shape
     major = _capability(q.device)[0] if q.device.type == "cuda" else 0
     if q.dtype not in HALF:
@@ -431,7 +433,7 @@ def _backward_route(q, dv, deterministic: bool):
     if not deterministic and major == 9 and cudnn_shape:
         return "cudnn", ("cudnn.sparse_attention_backward_wrapper (SM90; dkv/dsink float atomics: "
                          "not repeatable)")
-    if DETERMINISTIC_BACKWARD == "keymajor":
+    if kernel == "keymajor":
         return "triton", ("gpu_impl.kernels_triton_keymajor.attention_backward (key-major dkv, "
                           "planes fallback)")
     return "triton", "gpu_impl.kernels_triton.attention_backward (fixed-order planes)"
@@ -439,9 +441,13 @@ def _backward_route(q, dv, deterministic: bool):
 
 @_no_grad
 def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v_dim=None,
-                              lengths=None, chunk_rows=None, deterministic: bool = True):
+                              lengths=None, chunk_rows=None, deterministic: bool = True,
+                              kernel: str = "auto"):
     """Contract section 6 backward: ``dq`` (q's dtype), ``dkv`` (kv's dtype) and float32
     ``dsink [H]``.
+
+    ``kernel`` (extension) picks the SM90 deterministic kernel: ``"auto"``/``"planes"`` (the
+    fixed-order planes kernel) or ``"keymajor"`` (the key-major kernel, planes fallback).
 
     Deterministic mode on SM90 runs the Triton backward: every ``dkv`` element is a fixed-order
     sum (program-private planes folded in program order), ``dsink`` a fixed-shape reduction.
@@ -452,10 +458,11 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
     q, kv, ids, sink, scale, dv, lengths, deterministic, out, lse, dout = \
         validate_attention_backward(q, kv, ids, sink, out, lse, dout, scale, v_dim, lengths,
                                     deterministic)
+    kernel = choice(kernel, "kernel", BACKWARD_KERNELS)
     dev = _require_cuda("q", q)
     reject_nan(sink=sink)
     S, K = kv.shape[0], ids.shape[1]
-    route, _ = _backward_route(q, dv, deterministic)
+    route, _ = _backward_route(q, dv, deterministic, kernel)
     if route == "torch":
         return torch_backend.sparse_attention_backward(
             q, kv, ids, sink, out, lse, dout, scale=scale, v_dim=dv, lengths=lengths,
@@ -466,7 +473,7 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
     dout_c = dout.to(q.dtype).contiguous()
     if route == "triton":
         kt = _triton_kernels()
-        if DETERMINISTIC_BACKWARD == "keymajor":
+        if kernel == "keymajor":
             kt = importlib.import_module("gpu_impl.kernels_triton_keymajor")
         with torch.cuda.device(dev):
             return kt.attention_backward(q, kv, ids, sink32, out_c, lse32, dout_c, scale, dv,

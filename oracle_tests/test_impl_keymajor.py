@@ -7,7 +7,7 @@
 - GPU (``gpu``; Triton only, no cuDNN needed): bf16 cases (heavy contention with duplicates, odd shapes with
   hostile ids, a CSA-like H 64 / D 512 case with window and compressed keys): the key-major
   route is taken, bitwise replays, inputs untouched, error-model ratios against the oracle,
-  and the backend's deterministic route with ``DETERMINISTIC_BACKWARD = "keymajor"``.
+  and the backend's deterministic route with ``kernel="keymajor"``.
 """
 from __future__ import annotations
 
@@ -159,16 +159,16 @@ def test_keymajor_backward_gpu(shape, replays, monkeypatch):
     km.attention_backward(q, kv, ids, sink, out, lse, dout, q.shape[2] ** -0.5, dv, lengths,
                           stats=stats, fallback=False, max_dense_ratio=1e6)
     assert stats["route"] == "keymajor", stats
-    monkeypatch.setattr(cb, "DETERMINISTIC_BACKWARD", "keymajor")
     monkeypatch.setitem(km.KEYMAJOR_CONFIG, "max_dense_ratio", 1e6)
     if importlib.util.find_spec("cudnn") is not None:      # describe() needs the frontend
         assert "keymajor" in cb.describe("sparse_attention_backward", q, kv, ids, sink, out, lse,
-                                         dout, v_dim=dv)
+                                         dout, v_dim=dv, kernel="keymajor")
     before = content_hash(dict(ids=ids, lengths=lengths, q=q, kv=kv))
 
     def run():
         dq, dkv, ds = cb.sparse_attention_backward(q, kv, ids, sink, out, lse, dout, v_dim=dv,
-                                                   lengths=lengths, deterministic=True)
+                                                   lengths=lengths, deterministic=True,
+                                                   kernel="keymajor")
         return {"dq": dq, "dkv": dkv, "dsink": ds}
     diffs = _replay_differences(run, max(replays, 5))
     assert not diffs, f"key-major backward differs across replays: {diffs}"
