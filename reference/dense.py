@@ -57,7 +57,6 @@ def dense_attention(q, kv, counts, sink, scale, v_dim, heads_per_step=None):
 def dense_visibility(layout, window: int, ratio: int):
     """Boolean ``[T, T + C]`` visibility of section 3 over the logical key buffer (raw, then
     compressed), built directly from the definitions with broadcasting."""
-    T = layout.num_rows
     doc, pos, real = layout.doc, layout.pos, layout.is_real
     same = (doc.unsqueeze(1) == doc.unsqueeze(0)) & real.unsqueeze(1)
     dp = pos.unsqueeze(1) - pos.unsqueeze(0)

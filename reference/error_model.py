@@ -38,11 +38,12 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import as_float64, as_index, as_int, as_real, check_dim, choice
+from ._checks import as_float64, as_int, as_real, choice
 from ._checks import chunk_rows as rows_per_chunk
 from .attention import _inputs as _attention_inputs
 from .attention import valid_slots
-from .indexer_loss import FLT_MIN, IndexerLoss
+from .indexer import _inputs as _indexer_inputs
+from .indexer_loss import FLT_MIN, IndexerLoss, _loss_grad_inputs, _loss_inputs
 from .layout import PackedLayout
 
 __all__ = [
@@ -328,22 +329,11 @@ def indexer_scores_bound(q_idx, k_idx, weights, layout, ratio, scores, *, precis
     0 on invisible entries, which must be exactly ``-inf``.
     """
     u = _units(precision)
-    if not isinstance(layout, PackedLayout):
-        raise TypeError(f"layout must be a PackedLayout, got {type(layout).__name__}")
-    ratio = as_int(ratio, "ratio", minimum=1)
-    q = as_float64(q_idx, "q_idx", ndim=3)
-    k = as_float64(k_idx, "k_idx", ndim=2)
-    w = as_float64(weights, "weights", ndim=2)
+    q, k, w, ratio, scale = _indexer_inputs(q_idx, k_idx, weights, layout, ratio, scale)
     T, HI, DI = q.shape
-    check_dim(q, "q_idx", 0, layout.num_rows, "layout.num_rows")
-    check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
-    C = layout.num_compressed(ratio)
-    check_dim(k, "k_idx", 0, C, f"compressed groups of the layout at ratio {ratio}")
-    check_dim(w, "weights", 0, T, "rows T")
-    check_dim(w, "weights", 1, HI, "indexer heads H_I")
+    C = k.shape[0]
     scores = as_float64(scores, "scores", ndim=2)
     _same_shape(scores, "scores", (T, C))
-    scale = DI ** -0.5 if scale is None else as_real(scale, "scale")
     sc = abs(scale)
     bound = torch.zeros((T, C), dtype=F64)
     cu_pad = layout.cu_seqlens_padded
@@ -418,26 +408,11 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
     if not isinstance(result, IndexerLoss):
         raise TypeError(f"result must be the IndexerLoss of sparse_indexer_loss, got "
                         f"{type(result).__name__}")
-    q = as_float64(q, "q", ndim=3)
-    kc = as_float64(kv_cmp, "kv_cmp", ndim=2)
-    sink = as_float64(sink, "sink", ndim=1, allow_nan=False)
-    lse = as_float64(lse, "lse", ndim=2, allow_nan=False)
-    ids = as_index(compressed_ids, "compressed_ids", ndim=2)
-    scores = as_float64(index_scores, "index_scores", ndim=2, allow_nan=False)
+    q, kc, sink, lse, ids, scores, coeff, scale, floor, n_real = _loss_inputs(
+        q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, coeff, scale, num_real,
+        loss_floor)
     T, H, D = q.shape
     C, Kc = kc.shape[0], ids.shape[1]
-    check_dim(q, "q", 0, layout.num_rows, "layout.num_rows")
-    check_dim(kc, "kv_cmp", 1, D, "q head dim D")
-    check_dim(sink, "sink", 0, H, "q heads H")
-    _same_shape(lse, "lse", (T, H))
-    check_dim(ids, "compressed_ids", 0, T, "rows T")
-    _same_shape(scores, "index_scores", (T, C))
-    coeff = as_real(coeff, "coeff")
-    scale = D ** -0.5 if scale is None else as_real(scale, "scale")
-    floor = as_real(loss_floor, "loss_floor", positive=True)
-    n_real = layout.num_real if num_real is None else as_int(num_real, "num_real", minimum=1)
-    if n_real < 1:
-        raise ValueError("num_real: the layout has no real tokens; N must be >= 1")
     tau_all = as_float64(result.target, "result.target", ndim=2)
     p_all = as_float64(result.predict, "result.predict", ndim=2)
     kl_all = as_float64(result.kl, "result.kl", ndim=1)
@@ -517,20 +492,10 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
     ``bound_dk[c] = |scale| sum_{t,h} E_dS |q| + n_c u_a |scale| sum |dS| |q| + (u_a + u_o) |dk| + eta_o``.
     """
     u = _units(precision)
-    q = as_float64(q_idx, "q_idx", ndim=3)
-    k = as_float64(k_idx, "k_idx", ndim=2)
-    w = as_float64(weights, "weights", ndim=2)
-    ids = as_index(compressed_ids, "compressed_ids", ndim=2)
-    tau = as_float64(target, "target", ndim=2, allow_nan=False)
-    p_in = as_float64(predict, "predict", ndim=2, allow_nan=False)
+    q, k, w, ids, tau, p_in = _loss_grad_inputs(q_idx, k_idx, weights, compressed_ids, target,
+                                                predict)
     T, HI, DI = q.shape
     C, Kc = k.shape[0], ids.shape[1]
-    check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
-    check_dim(w, "weights", 0, T, "rows T")
-    check_dim(w, "weights", 1, HI, "indexer heads H_I")
-    check_dim(ids, "compressed_ids", 0, T, "rows T")
-    _same_shape(tau, "target", (T, Kc))
-    _same_shape(p_in, "predict", (T, Kc))
     dq = as_float64(dq_idx, "dq_idx", ndim=3)
     dw_ = as_float64(dw, "dw", ndim=2)
     dk = as_float64(dk_idx, "dk_idx", ndim=2)

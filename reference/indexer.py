@@ -15,14 +15,8 @@ __all__ = ["indexer_scores"]
 CHUNK_BYTES = 1 << 25  # work buffers per chunk: small enough to stay in cache, reused across chunks
 
 
-def indexer_scores(q_idx, k_idx, weights, layout, ratio, *, scale=None, chunk_rows=None):
-    """Section 7: ``I[t,c] = scale * sum_h w[t,h] * relu(<q_idx[t,h], k_idx[c]>)`` if ``c`` is
-    visible to ``t`` (section 3), ``-inf`` otherwise. Returns float64 ``[T, C]``.
-
-    Work is per document (a real row only ever sees its own document's groups) and per row:
-    each row's scores come from a batched product whose batch element is that row, so a row's
-    bits never depend on which other rows are evaluated with it (CP invariance, section 10).
-    """
+def _inputs(q_idx, k_idx, weights, layout, ratio, scale):
+    """Section 7 arguments, validated and converted (shared with the section 12 bound)."""
     if not isinstance(layout, PackedLayout):
         raise TypeError(f"layout must be a PackedLayout, got {type(layout).__name__}")
     ratio = as_int(ratio, "ratio", minimum=1)
@@ -37,6 +31,20 @@ def indexer_scores(q_idx, k_idx, weights, layout, ratio, *, scale=None, chunk_ro
     check_dim(w, "weights", 0, T, "rows T")
     check_dim(w, "weights", 1, HI, "indexer heads H_I")
     scale = DI ** -0.5 if scale is None else as_real(scale, "scale")
+    return q, k, w, ratio, scale
+
+
+def indexer_scores(q_idx, k_idx, weights, layout, ratio, *, scale=None, chunk_rows=None):
+    """Section 7: ``I[t,c] = scale * sum_h w[t,h] * relu(<q_idx[t,h], k_idx[c]>)`` if ``c`` is
+    visible to ``t`` (section 3), ``-inf`` otherwise. Returns float64 ``[T, C]``.
+
+    Work is per document (a real row only ever sees its own document's groups) and per row:
+    each row's scores come from a batched product whose batch element is that row, so a row's
+    bits never depend on which other rows are evaluated with it (CP invariance, section 10).
+    """
+    q, k, w, ratio, scale = _inputs(q_idx, k_idx, weights, layout, ratio, scale)
+    T, HI, DI = q.shape
+    C = k.shape[0]
     out = torch.full((T, C), -math.inf, dtype=torch.float64)
     cu_pad = layout.cu_seqlens_padded
     cu_comp = layout.compressed_offsets(ratio)

@@ -52,30 +52,19 @@ def _kl(tau, p, mask, floor):
     return torch.where(mask, terms, torch.zeros_like(terms)).sum(dim=-1)
 
 
-def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, *, coeff,
-                        scale=None, num_real=None, loss_floor=FLT_MIN, chunk_rows=None):
-    """Section 8: the sparse indexer KL loss.
-
-    ``q [T,H,D]`` and ``lse [T,H]`` (KV-only, natural log, from the attention forward over all
-    of a row's keys), ``kv_cmp [C,D]`` compressed keys, ``sink [H]``, ``compressed_ids [T,Kc]``
-    indexing ``kv_cmp`` and the columns of ``index_scores [T,C]`` (negative or ``>= C`` =
-    invalid slot). The teacher is computed in log space,
-    ``log tau[c] = LSE_h(s[h,c] - LSEf[h]) - LSE_{h,c'}(s[h,c'] - LSEf[h])``, so that it
-    never underflows; a row whose teacher mass is exactly zero (``LSEf = +inf``, e.g. a
-    ``+inf`` sink) counts like a row with no selection. Padding rows count 0; ``N`` defaults
-    to ``layout.num_real``. The row sum is a left fold in row order.
-    """
+def _loss_inputs(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, coeff, scale,
+                 num_real, loss_floor):
+    """Section 8 loss arguments, validated and converted (shared with the section 12 bound)."""
     if not isinstance(layout, PackedLayout):
         raise TypeError(f"layout must be a PackedLayout, got {type(layout).__name__}")
-    # The teacher is detached (section 8): no gradient reaches q, kv_cmp, the sink or lse.
-    q = as_float64(q, "q", ndim=3).detach()
-    kc = as_float64(kv_cmp, "kv_cmp", ndim=2).detach()
-    sink = as_float64(sink, "sink", ndim=1, allow_nan=False).detach()
-    lse = as_float64(lse, "lse", ndim=2, allow_nan=False).detach()
+    q = as_float64(q, "q", ndim=3)
+    kc = as_float64(kv_cmp, "kv_cmp", ndim=2)
+    sink = as_float64(sink, "sink", ndim=1, allow_nan=False)
+    lse = as_float64(lse, "lse", ndim=2, allow_nan=False)
     ids = as_index(compressed_ids, "compressed_ids", ndim=2)
     scores = as_float64(index_scores, "index_scores", ndim=2, allow_nan=False)
     T, H, D = q.shape
-    C, Kc = kc.shape[0], ids.shape[1]
+    C = kc.shape[0]
     check_dim(q, "q", 0, layout.num_rows, "layout.num_rows")
     check_dim(kc, "kv_cmp", 1, D, "q head dim D")
     check_dim(sink, "sink", 0, H, "q heads H")
@@ -90,6 +79,29 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
     n_real = layout.num_real if num_real is None else as_int(num_real, "num_real", minimum=1)
     if n_real < 1:
         raise ValueError("num_real: the layout has no real tokens; N must be >= 1")
+    return q, kc, sink, lse, ids, scores, coeff, scale, floor, n_real
+
+
+def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, *, coeff,
+                        scale=None, num_real=None, loss_floor=FLT_MIN, chunk_rows=None):
+    """Section 8: the sparse indexer KL loss.
+
+    ``q [T,H,D]`` and ``lse [T,H]`` (KV-only, natural log, from the attention forward over all
+    of a row's keys), ``kv_cmp [C,D]`` compressed keys, ``sink [H]``, ``compressed_ids [T,Kc]``
+    indexing ``kv_cmp`` and the columns of ``index_scores [T,C]`` (negative or ``>= C`` =
+    invalid slot). The teacher is computed in log space,
+    ``log tau[c] = LSE_h(s[h,c] - LSEf[h]) - LSE_{h,c'}(s[h,c'] - LSEf[h])``, so that it
+    never underflows; a row whose teacher mass is exactly zero (``LSEf = +inf``, e.g. a
+    ``+inf`` sink) counts like a row with no selection. Padding rows count 0; ``N`` defaults
+    to ``layout.num_real``. The row sum is a left fold in row order.
+    """
+    # The teacher is detached (section 8): no gradient reaches q, kv_cmp, the sink or lse.
+    q, kc, sink, lse, ids, scores, coeff, scale, floor, n_real = _loss_inputs(
+        q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, coeff, scale, num_real,
+        loss_floor)
+    q, kc, sink, lse = (t.detach() for t in (q, kc, sink, lse))
+    T, H, D = q.shape
+    C, Kc = kc.shape[0], ids.shape[1]
 
     valid = _slot_mask(ids, C) & layout.is_real.unsqueeze(1)
     safe = torch.where(valid, ids, torch.zeros_like(ids))
@@ -143,6 +155,26 @@ def _indexer_logits(q, k, w, ids, valid, scale):
     return z, kg, logits
 
 
+def _loss_grad_inputs(q_idx, k_idx, weights, compressed_ids, target, predict):
+    """Section 8 gradient tensors, validated and converted (shared with the section 12 bound)."""
+    q = as_float64(q_idx, "q_idx", ndim=3)
+    k = as_float64(k_idx, "k_idx", ndim=2)
+    w = as_float64(weights, "weights", ndim=2)
+    ids = as_index(compressed_ids, "compressed_ids", ndim=2)
+    tau = as_float64(target, "target", ndim=2, allow_nan=False)
+    p_in = as_float64(predict, "predict", ndim=2, allow_nan=False)
+    T, HI, DI = q.shape
+    Kc = ids.shape[1]
+    check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
+    check_dim(w, "weights", 0, T, "rows T")
+    check_dim(w, "weights", 1, HI, "indexer heads H_I")
+    check_dim(ids, "compressed_ids", 0, T, "rows T")
+    for name, t in (("target", tau), ("predict", p_in)):
+        if tuple(t.shape) != (T, Kc):
+            raise ValueError(f"{name} must have shape {(T, Kc)} like compressed_ids, got {tuple(t.shape)}")
+    return q, k, w, ids, tau, p_in
+
+
 def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, predict, *, coeff,
                              num_real, grad_loss=1.0, scale=None, grad_floor=math.exp(-100),
                              mode="clipped", loss_floor=FLT_MIN, chunk_rows=None):
@@ -158,21 +190,10 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
     Both chain through the indexer with the strict gate ``z > 0``; ``dk_idx`` is a left fold in
     (row, slot) order.
     """
-    q = as_float64(q_idx, "q_idx", ndim=3)
-    k = as_float64(k_idx, "k_idx", ndim=2)
-    w = as_float64(weights, "weights", ndim=2)
-    ids = as_index(compressed_ids, "compressed_ids", ndim=2)
-    tau = as_float64(target, "target", ndim=2, allow_nan=False)
-    p_in = as_float64(predict, "predict", ndim=2, allow_nan=False)
+    q, k, w, ids, tau, p_in = _loss_grad_inputs(q_idx, k_idx, weights, compressed_ids, target,
+                                                predict)
     T, HI, DI = q.shape
     C, Kc = k.shape[0], ids.shape[1]
-    check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
-    check_dim(w, "weights", 0, T, "rows T")
-    check_dim(w, "weights", 1, HI, "indexer heads H_I")
-    check_dim(ids, "compressed_ids", 0, T, "rows T")
-    for name, t in (("target", tau), ("predict", p_in)):
-        if tuple(t.shape) != (T, Kc):
-            raise ValueError(f"{name} must have shape {(T, Kc)} like compressed_ids, got {tuple(t.shape)}")
     coeff = as_real(coeff, "coeff")
     n_real = as_int(num_real, "num_real", minimum=1)
     grad_loss = as_real(grad_loss, "grad_loss")
