@@ -515,7 +515,7 @@ def check_grad_mode_parity(fn, *, name: str = "grad_modes") -> CheckResult:
                        f"differs from grad-enabled under {parts}", extra)
 
 
-def _content_hash(t: torch.Tensor) -> str:
+def content_hash(t: torch.Tensor) -> str:
     """sha256 of dtype, shape and the bytes of the values in logical (row-major) order."""
     x = _cpu(t).contiguous()
     h = hashlib.sha256(f"{x.dtype}|{tuple(x.shape)}|".encode())
@@ -541,9 +541,9 @@ def check_no_mutation(fn, inputs, *, name: str = "no_mutation") -> CheckResult:
     else:
         raise TypeError(f"inputs must be a tuple/list (positional) or a mapping (keyword), "
                         f"got {type(inputs).__name__}")
-    before = {p: _content_hash(v) for p, v in _leaves(inputs, root) if isinstance(v, torch.Tensor)}
+    before = {p: content_hash(v) for p, v in _leaves(inputs, root) if isinstance(v, torch.Tensor)}
     call()
-    after = {p: _content_hash(v) for p, v in _leaves(inputs, root) if isinstance(v, torch.Tensor)}
+    after = {p: content_hash(v) for p, v in _leaves(inputs, root) if isinstance(v, torch.Tensor)}
     changed = sorted(p for p in before if after.get(p) != before[p])
     extra = {"tensors": sorted(before), "changed": changed}
     if not changed:

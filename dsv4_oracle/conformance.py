@@ -26,7 +26,6 @@ consumed, including its own intermediates):
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from typing import NamedTuple
 
@@ -36,7 +35,8 @@ import reference as R
 from reference import error_model as EM
 
 from .adapters import Adapter
-from .compare import CheckResult, compare_exact, compare_numeric, compare_topk, near_tie_rows
+from .compare import (CheckResult, compare_exact, compare_numeric, compare_topk, content_hash,
+                      near_tie_rows)
 
 __all__ = ["QUANTITIES", "FORWARD_OUTPUTS", "BACKWARD_OPS", "Run", "OpError", "run_ops", "run_layer", "layer_applies", "judge",
            "tensors_of", "error_ratio_map"]
@@ -326,10 +326,7 @@ def _key(*parts):
     out = []
     for p in parts:
         if isinstance(p, torch.Tensor):
-            c = p.detach().to("cpu").contiguous()
-            h = hashlib.sha1(c.reshape(-1).view(torch.uint8).numpy().tobytes()
-                             if c.numel() else b"").hexdigest()
-            out.append((str(c.dtype), tuple(c.shape), h))
+            out.append(content_hash(p))
         else:
             out.append(p)
     return tuple(out)

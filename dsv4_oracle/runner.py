@@ -77,7 +77,7 @@ def select_cases(catalog: str | None = None, patterns=()) -> tuple[list, str]:
         hits = {c.id for c in cases if fnmatch.fnmatchcase(c.id, p)}
         if not hits:
             elsewhere = [c.id for c in full if fnmatch.fnmatchcase(c.id, p)]
-            hint = (f"; it is in the full catalog (use --catalog full)" if elsewhere and
+            hint = ("; it is in the full catalog (use --catalog full)" if elsewhere and
                     catalog != "full" else
                     f"; ids look like {', '.join(c.id for c in cases[:3])} (see --list)")
             raise SelectionError(f"--case {p!r} matches no case of the {catalog} catalog{hint}")

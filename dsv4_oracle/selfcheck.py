@@ -26,6 +26,7 @@ from typing import Callable, NamedTuple
 import torch
 
 import reference as R
+from dsv4_oracle.compare import content_hash
 
 __all__ = ["BuiltinCase", "CaseTensors", "BUILTIN_CASES", "build_case", "run_selfcheck"]
 
@@ -145,13 +146,6 @@ def _ratio_verdict(named_ratios: dict) -> tuple[bool, str]:
     worst = max(named_ratios.values())
     detail = "error/bound " + ", ".join(f"{k} {v:.2g}" for k, v in named_ratios.items())
     return worst <= 1.0, detail
-
-
-def _hash(t: torch.Tensor) -> bytes:
-    import hashlib
-    c = t.detach().contiguous()
-    return hashlib.sha256(c.reshape(-1).view(torch.uint8).numpy().tobytes()
-                          if c.numel() else b"").digest()
 
 
 def _attention(case, x, **kw):
@@ -371,7 +365,7 @@ def check_cp_rows(case, x):
 
 def check_inputs_unchanged(case, x):
     tensors = [t for t in x if isinstance(t, torch.Tensor)]
-    before = [_hash(t) for t in tensors]
+    before = [content_hash(t) for t in tensors]
     _attention(case, x)
     if case.layer == "csa":
         args = _loss_inputs(case, x)
@@ -379,7 +373,7 @@ def check_inputs_unchanged(case, x):
         R.sparse_indexer_loss_grad(x.q_idx, x.k_idx, x.weights, x.cmp_ids, res.target,
                                    res.predict, coeff=case.coeff, num_real=res.num_real)
     R.build_csa_indices(x.layout, window=case.window, ratio=case.ratio, compressed_ids=x.cmp_ids)
-    return [_hash(t) for t in tensors] == before, f"{len(tensors)} input tensors hashed"
+    return [content_hash(t) for t in tensors] == before, f"{len(tensors)} input tensors hashed"
 
 
 # (name, contract section, function, applies to the case?)

@@ -16,7 +16,6 @@ CUDA (the GPU lane; marked ``gpu`` / ``cudnn`` so that conftest skips them witho
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import pytest
@@ -86,14 +85,7 @@ def skip_large_on_cpu(impl: Impl, case: Case) -> None:
 
 def content_hash(tensors: dict) -> dict:
     """Per tensor, a hash of its dtype, shape and bytes (contract section 11: no mutation)."""
-    out = {}
-    for k, t in tensors.items():
-        if isinstance(t, torch.Tensor):
-            c = t.detach().to("cpu").contiguous().reshape(-1)
-            h = hashlib.sha256(f"{c.dtype}{tuple(c.shape)}".encode())
-            h.update(c.view(torch.uint8).numpy().tobytes() if c.numel() else b"")
-            out[k] = h.hexdigest()
-    return out
+    return {k: C.content_hash(t) for k, t in tensors.items() if isinstance(t, torch.Tensor)}
 
 
 # --------------------------------------------------------------------------------------------
