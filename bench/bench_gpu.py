@@ -106,46 +106,56 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def bench_keymajor(x: dict, T: int, reps: int, row, log, sweep: bool = False):
-    """The key-major deterministic backward (gpu_impl.kernels_triton_keymajor) against the
-    planes kernel on the same inputs: bitwise replays, relative difference, time (whole call,
-    plan building included), the dq kernel alone, and a small config sweep. Needs no cuDNN."""
+SPLIT_SWEEP = (dict(block_d=32), dict(block_d=128), dict(programs_per_sm=2),
+               dict(block_d=32, programs_per_sm=2), dict(dkv_stages=1), dict(dkv_stages=3),
+               dict(dkv_warps=8), dict(dkv_block_n=128), dict(num_stages=2))
+
+
+def bench_det_backward(x: dict, T: int, reps: int, row, log, sweep: bool = False):
+    """The deterministic backwards on the same inputs: planes (one kernel), split (row pass +
+    column-sliced planes) and key-major; bitwise replays, relative difference to planes, time
+    (whole call, layout building included), the row pass alone, and a config sweep of split
+    (and key-major). Needs no cuDNN."""
     from gpu_impl import kernels_triton_keymajor as km
+    from gpu_impl import kernels_triton_split as ks
     q, kv, ids, lengths, sink, dout = x["q"], x["kv"], x["ids"], x["lengths"], x["sink"], x["dout"]
     scale = D ** -0.5
     n = int(lengths.sum())
     f_bwd = 2.0 * n * H * (3 * D + 2 * DV)
     out, lse = kt.attention_forward(q, kv, ids, sink, scale, DV, lengths)
-    stats: dict = {}
-    a = km.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV, lengths, stats=stats)
-    b = km.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV, lengths)
-    same = all(torch.equal(u, v) for u, v in zip(a, b))
     p = kt.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV, lengths)
-    log(f"T={T} keymajor {stats}; bitwise replay equal: {same}; vs planes: dq rel "
-        f"{rel(a[0], p[0]):.2e}, dkv rel {rel(a[1], p[1]):.2e}, dsink rel {rel(a[2], p[2]):.2e}")
     row("attention bwd: Triton planes (deterministic)",
         timeit(lambda: kt.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV,
                                              lengths), reps), f_bwd, note=f"{kt.BACKWARD_CONFIG}")
-    row("attention bwd: Triton key-major (deterministic)",
-        timeit(lambda: km.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV,
-                                             lengths), reps), f_bwd,
-        note=f"replay equal {same}; {stats}; {km.KEYMAJOR_CONFIG}")
-    delta, full2, _ = km._row_statistics(out, lse, dout, sink)
-    row("attention bwd: key-major dq kernel alone",
-        timeit(lambda: km.dq_rows(q, kv, ids, lengths, dout, full2, delta, scale, DV), reps),
+    for name, mod, cfg in (("split", ks, ks.SPLIT_CONFIG), ("key-major", km, km.KEYMAJOR_CONFIG)):
+        stats: dict = {}
+        a = mod.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV, lengths,
+                                   stats=stats)
+        b = mod.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV, lengths)
+        same = all(torch.equal(u, v) for u, v in zip(a, b))
+        log(f"T={T} {name} {stats}; bitwise replay equal: {same}; vs planes: dq rel "
+            f"{rel(a[0], p[0]):.2e}, dkv rel {rel(a[1], p[1]):.2e}, dsink rel "
+            f"{rel(a[2], p[2]):.2e}")
+        del a, b
+        row(f"attention bwd: Triton {name} (deterministic)",
+            timeit(lambda mod=mod: mod.attention_backward(q, kv, ids, sink, out, lse, dout, scale,
+                                                          DV, lengths), reps), f_bwd,
+            note=f"replay equal {same}; {stats}; {cfg}")
+    delta, full2, _ = ks.row_statistics(out, lse, dout, sink)
+    row("attention bwd: row pass alone (dq only)",
+        timeit(lambda: ks.row_pass(q, kv, ids, lengths, dout, full2, delta, scale, DV), reps),
         2.0 * n * H * (2 * D + DV))
-    valid = km._valid_slots(ids, kv.shape[0], lengths)
-    row("attention bwd: key-major plan (torch, ids -> pairs/counts)",
-        timeit(lambda: km.keymajor_plan(ids, valid, kv.shape[0], rows_per_block=1, block_s=64,
-                                        programs=264, max_dense_ratio=4.0), reps))
-    if sweep:
-        for cfg in (dict(num_stages=2, d_chunks=8), dict(block_m=128), dict(programs_per_sm=4)):
+    if not sweep:
+        return
+    for name, mod, cfgs in (("split", ks, SPLIT_SWEEP),
+                            ("key-major", km, (dict(num_stages=2, d_chunks=8),))):
+        for c in cfgs:
             try:
-                row("attention bwd: key-major sweep", timeit(lambda: km.attention_backward(
-                    q, kv, ids, sink, out, lse, dout, scale, DV, lengths, **cfg), reps), f_bwd,
-                    note=f"{cfg}")
+                row(f"attention bwd: {name} sweep", timeit(lambda: mod.attention_backward(
+                    q, kv, ids, sink, out, lse, dout, scale, DV, lengths, **c), reps), f_bwd,
+                    note=f"{c}")
             except Exception as exc:                               # keep sweeping
-                log(f"FAILED key-major {cfg}: {type(exc).__name__}: {str(exc)[:300]}")
+                log(f"FAILED {name} {c}: {type(exc).__name__}: {str(exc)[:300]}")
 
 
 def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: list, log):
@@ -250,7 +260,7 @@ def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: li
     attempt("bwd triton", lambda: row("attention bwd: Triton fixed-order (deterministic)",
                                       timeit(bwd_triton, reps), f_bwd, b_bwd,
                                       f"config {kt.BACKWARD_CONFIG}"))
-    attempt("bwd keymajor", lambda: bench_keymajor(x, T, reps, row, log))
+    attempt("bwd det kernels", lambda: bench_det_backward(x, T, reps, row, log))
     if sweep:
         for cfg in (dict(num_stages=2), dict(num_stages=3), dict(num_warps=4, programs=264),
                     dict(num_warps=4, programs=396), dict(block_d=256), dict(block_d=64),
@@ -320,7 +330,7 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--det-backward-only", action="store_true",
-                    help="only the deterministic backward: key-major vs planes (no cuDNN)")
+                    help="only the deterministic backwards: planes, split, key-major (no cuDNN)")
     args = ap.parse_args()
     lines = []
 
@@ -341,7 +351,7 @@ def main():
                     r["TFLOPs"] = round(flops / (ms * 1e-3) / 1e12, 1)
                 rows.append(r)
                 log(json.dumps(r))
-            bench_keymajor(make_inputs(T), T, args.reps, row, log,
+            bench_det_backward(make_inputs(T), T, args.reps, row, log,
                            sweep=not args.no_sweep and i == 0)
             continue
         bench_shape(T, args.reps, bw, rate, sweep=not args.no_sweep and i == 0, rows=rows, log=log)

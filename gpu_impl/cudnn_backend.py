@@ -414,11 +414,16 @@ def sparse_attention_forward(q, kv, ids, sink, *, scale=None, v_dim=None, length
     return res["out"], res["lse"]
 
 
-# The SM90 deterministic attention backward: "planes" (gpu_impl.kernels_triton, the default) or
-# "keymajor" (gpu_impl.kernels_triton_keymajor, which falls back to planes where its tiles do not
-# fit), chosen per call with ``kernel=``. Both are bitwise repeatable; the default is the faster
-# one as measured (docs/CUDNN.md).
-BACKWARD_KERNELS = ("auto", "planes", "keymajor")
+# The SM90 deterministic attention backward, chosen per call with ``kernel=``: "split"
+# (gpu_impl.kernels_triton_split: a row pass for dq, P and dS, then column-sliced L2-sized planes
+# for dkv), "planes" (gpu_impl.kernels_triton: one kernel, full-width planes) or "keymajor"
+# (gpu_impl.kernels_triton_keymajor, which falls back to planes where its tiles do not fit). All
+# are bitwise repeatable; "auto" is the fastest as measured on the H200 (docs/CUDNN.md).
+BACKWARD_KERNELS = ("auto", "split", "planes", "keymajor")
+AUTO_BACKWARD_KERNEL = "split"
+_BACKWARD_MODULES = {"split": "gpu_impl.kernels_triton_split",
+                     "planes": "gpu_impl.kernels_triton",
+                     "keymajor": "gpu_impl.kernels_triton_keymajor"}
 
 
 def _backward_route(q, dv, deterministic: bool, kernel: str = "auto"):
@@ -433,10 +438,10 @@ def _backward_route(q, dv, deterministic: bool, kernel: str = "auto"):
     if not deterministic and major == 9 and cudnn_shape:
         return "cudnn", ("cudnn.sparse_attention_backward_wrapper (SM90; dkv/dsink float atomics: "
                          "not repeatable)")
-    if kernel == "keymajor":
-        return "triton", ("gpu_impl.kernels_triton_keymajor.attention_backward (key-major dkv, "
-                          "planes fallback)")
-    return "triton", "gpu_impl.kernels_triton.attention_backward (fixed-order planes)"
+    kernel = AUTO_BACKWARD_KERNEL if kernel == "auto" else kernel
+    what = {"split": "row pass + column-sliced fixed-order planes",
+            "planes": "fixed-order planes", "keymajor": "key-major dkv, planes fallback"}[kernel]
+    return "triton", f"{_BACKWARD_MODULES[kernel]}.attention_backward ({what})"
 
 
 @_no_grad
@@ -446,11 +451,12 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
     """Contract section 6 backward: ``dq`` (q's dtype), ``dkv`` (kv's dtype) and float32
     ``dsink [H]``.
 
-    ``kernel`` (extension) picks the SM90 deterministic kernel: ``"auto"``/``"planes"`` (the
-    fixed-order planes kernel) or ``"keymajor"`` (the key-major kernel, planes fallback).
+    ``kernel`` (extension) picks the SM90 deterministic kernel: ``"split"`` (row pass, then
+    column-sliced planes), ``"planes"`` (one kernel, full-width planes) or ``"keymajor"``
+    (key-major dkv, planes fallback); ``"auto"`` is :data:`AUTO_BACKWARD_KERNEL`.
 
-    Deterministic mode on SM90 runs the Triton backward: every ``dkv`` element is a fixed-order
-    sum (program-private planes folded in program order), ``dsink`` a fixed-shape reduction.
+    Deterministic mode on SM90 runs a Triton backward: every ``dkv`` element is a fixed-order
+    sum (private planes folded in a fixed order), ``dsink`` a fixed-shape reduction.
     Default mode on SM90 runs cuDNN's SM90 kernel (``dkv`` and ``dsink`` through float atomics:
     NOT bitwise repeatable) on sanitised copies of ids/lengths (invalid slots removed,
     compacted; the kernel assumes every slot inside ``topk_length`` is valid).
@@ -472,9 +478,9 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
     out_c = out.to(q.dtype).contiguous()
     dout_c = dout.to(q.dtype).contiguous()
     if route == "triton":
-        kt = _triton_kernels()
-        if kernel == "keymajor":
-            kt = importlib.import_module("gpu_impl.kernels_triton_keymajor")
+        _triton_kernels()                          # a clear error when triton is missing
+        kt = importlib.import_module(
+            _BACKWARD_MODULES[AUTO_BACKWARD_KERNEL if kernel == "auto" else kernel])
         with torch.cuda.device(dev):
             return kt.attention_backward(q, kv, ids, sink32, out_c, lse32, dout_c, scale, dv,
                                          lengths)

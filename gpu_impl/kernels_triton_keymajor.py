@@ -4,9 +4,9 @@ Why: the row-major planes backward (:mod:`gpu_impl.kernels_triton`) scatters eve
 contribution into program-private float32 planes that do not fit in L2 (docs/CUDNN.md,
 "Performance miss"). Here nothing is scattered:
 
-- :func:`dq_rows`: one program per query row (all heads), like the forward: gather the row's
-  selected keys block by block, recompute ``P`` and ``dS``, accumulate ``dq`` in registers,
-  write it once.
+- ``dq``: :func:`gpu_impl.kernels_triton_split.row_pass`, one program per query row (all
+  heads), like the forward: gather the row's selected keys block by block, recompute ``P``
+  and ``dS``, accumulate ``dq`` in registers, write it once.
 - ``dkv``: FlashAttention-2's dK/dV loop made sparse. Key block ``b`` (``BLOCK_S`` keys) is
   referenced by a set of query-row blocks (``R`` rows x all heads = an ``(R H) x D`` tile). A
   program owns a contiguous chunk of the (key block, row block) pairs of ONE key block, in
@@ -35,15 +35,14 @@ Importing this module needs triton; nothing here runs at import time.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from . import kernels_triton as kt
+from .kernels_triton_split import _chunks, row_pass, row_statistics
 
-__all__ = ["attention_backward", "keymajor_plan", "dq_rows", "KEYMAJOR_CONFIG"]
+__all__ = ["attention_backward", "keymajor_plan", "KEYMAJOR_CONFIG"]
 
 LOG2E = 1.4426950408889634
 
@@ -55,71 +54,6 @@ KEYMAJOR_CONFIG = dict(block_s=64, block_m=64, d_chunks=4, block_n=64, num_warps
 
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, (int(n) - 1).bit_length()))
-
-
-@triton.jit
-def _dq_kernel(q_ptr, kv_ptr, ids_ptr, len_ptr, do_ptr, full_ptr, delta_ptr, dq_ptr,
-               H, D, DV, S, K, scale, scale_log2,
-               stride_qt, stride_qh, stride_kv, stride_it, stride_dot, stride_doh,
-               HAS_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-               DC: tl.constexpr, NCH: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    h_ok = offs_h < H
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_c = tl.arange(0, DC)
-    n_slots = K
-    if HAS_LEN:
-        n_slots = tl.minimum(tl.maximum(tl.load(len_ptr + t), 0), K)
-    full2 = tl.load(full_ptr + t * H + offs_h, mask=h_ok, other=float("inf"))
-    delta = tl.load(delta_ptr + t * H + offs_h, mask=h_ok, other=0.0)
-    q_row = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
-    do_row = do_ptr + t * stride_dot + offs_h[:, None] * stride_doh
-    acc0 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
-    for j0 in range(0, n_slots, BLOCK_N):
-        slot = j0 + offs_n
-        in_len = slot < n_slots
-        idv = tl.load(ids_ptr + t * stride_it + slot, mask=in_len, other=-1).to(tl.int64)
-        valid = in_len & (idv >= 0) & (idv < S)
-        kv_rows = kv_ptr + tl.where(valid, idv, 0)[:, None] * stride_kv
-        s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-        dp = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-        for ci in tl.static_range(NCH):
-            dd = ci * DC + offs_c
-            kc = tl.load(kv_rows + dd[None, :], mask=valid[:, None] & (dd < D)[None, :], other=0.0)
-            qc = tl.load(q_row + dd[None, :], mask=h_ok[:, None] & (dd < D)[None, :], other=0.0)
-            oc = tl.load(do_row + dd[None, :], mask=h_ok[:, None] & (dd < DV)[None, :], other=0.0)
-            s = tl.dot(qc, tl.trans(kc), s)
-            dp = tl.dot(oc, tl.trans(kc), dp)
-        keep = valid[None, :] & h_ok[:, None]
-        p = tl.where(keep, tl.exp2(s * scale_log2 - full2[:, None]), 0.0)
-        ds = tl.where(keep, p * (dp - delta[:, None]), 0.0).to(q_ptr.dtype.element_ty)
-        for ci in tl.static_range(NCH):
-            dd = ci * DC + offs_c
-            kc = tl.load(kv_rows + dd[None, :], mask=valid[:, None] & (dd < D)[None, :], other=0.0)
-            if ci == 0:
-                acc0 = tl.dot(ds, kc, acc0)
-            elif ci == 1:
-                acc1 = tl.dot(ds, kc, acc1)
-            elif ci == 2:
-                acc2 = tl.dot(ds, kc, acc2)
-            else:
-                acc3 = tl.dot(ds, kc, acc3)
-    dq_row = dq_ptr + t * stride_qt + offs_h[:, None] * stride_qh
-    for ci in tl.static_range(NCH):
-        dd = ci * DC + offs_c
-        m = h_ok[:, None] & (dd < D)[None, :]
-        if ci == 0:
-            tl.store(dq_row + dd[None, :], (acc0 * scale).to(dq_ptr.dtype.element_ty), mask=m)
-        elif ci == 1:
-            tl.store(dq_row + dd[None, :], (acc1 * scale).to(dq_ptr.dtype.element_ty), mask=m)
-        elif ci == 2:
-            tl.store(dq_row + dd[None, :], (acc2 * scale).to(dq_ptr.dtype.element_ty), mask=m)
-        else:
-            tl.store(dq_row + dd[None, :], (acc3 * scale).to(dq_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -270,46 +204,6 @@ def keymajor_plan(ids, valid, num_keys: int, *, rows_per_block: int, block_s: in
                 dense_ratio=P * R * BS / max(n_valid, 1))
 
 
-def _row_statistics(out, lse, dout, sink):
-    """Per row: Delta, the full normaliser in log2 units (+inf on empty rows), dsink (fixed-shape
-    float32 reductions, same formulas as the planes kernel's)."""
-    f32 = torch.float32
-    lse32 = lse.to(f32)
-    sink32 = sink.to(f32)
-    empty = torch.isinf(lse32) & (lse32 > 0)
-    lse0 = torch.where(empty, torch.zeros_like(lse32), lse32)
-    delta = (dout.to(f32) * out.to(f32)).sum(dim=-1)
-    delta = torch.where(empty, torch.zeros_like(delta), delta)
-    full = torch.logaddexp(lse0, sink32.unsqueeze(0))
-    full = torch.where(empty, torch.full_like(full, math.inf), full)
-    p_sink = torch.sigmoid(sink32.unsqueeze(0) - lse0)
-    p_sink = torch.where(empty, torch.zeros_like(p_sink), p_sink)
-    dsink = -(p_sink * delta).sum(dim=0)
-    return delta.contiguous(), (full * LOG2E).contiguous(), dsink
-
-
-def _chunks(D: int, d_chunks: int):
-    bd = _pow2(D)
-    nch = max(1, min(int(d_chunks), bd // 16, 4))
-    return bd // nch, nch
-
-
-def dq_rows(q, kv, ids, lengths, dout, full2, delta, scale, dv, *, block_n=64, d_chunks=4,
-            num_warps=8, num_stages=1):
-    """``dq`` of every row (q's dtype), one program per row, written once."""
-    T, H, D = q.shape
-    S, K = kv.shape[0], ids.shape[1]
-    dq = torch.empty_like(q)
-    dc, nch = _chunks(D, d_chunks)
-    lens = lengths.contiguous() if lengths is not None else ids
-    _dq_kernel[(T,)](q, kv, ids, lens, dout, full2, delta, dq, H, D, dv, S, K, float(scale),
-                     float(scale) * LOG2E, q.stride(0), q.stride(1), kv.stride(0), ids.stride(0),
-                     dout.stride(0), dout.stride(1), HAS_LEN=lengths is not None,
-                     BLOCK_H=_pow2(H), BLOCK_N=block_n, DC=dc, NCH=nch,
-                     num_warps=num_warps, num_stages=num_stages)
-    return dq
-
-
 def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None, *,
                        fallback: bool = True, stats: dict | None = None, **overrides):
     """Deterministic section 6 backward (``dq``, ``dkv``, float32 ``dsink``), same argument
@@ -355,10 +249,10 @@ def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None
         return planes("ids too spread for dense key-major tiles")
     stats.update(route="keymajor", pairs=plan["num_pairs"], chunks=plan["num_chunks"],
                  dense_ratio=round(plan["dense_ratio"], 3), rows_per_block=R)
-    delta, full2, dsink = _row_statistics(out, lse, dout, sink)
-    dq = dq_rows(q, kv, ids, lengths, dout, full2, delta, scale, dv, block_n=cfg["block_n"],
-                 d_chunks=cfg["d_chunks"], num_warps=cfg["num_warps"],
-                 num_stages=cfg["num_stages"])
+    delta, full2, dsink = row_statistics(out, lse, dout, sink)
+    dq = row_pass(q, kv, ids, lengths, dout, full2, delta, scale, dv, block_n=cfg["block_n"],
+                  d_chunks=cfg["d_chunks"], num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
     dc, nch = _chunks(D, cfg["d_chunks"])
     bs = cfg["block_s"]
     nc = plan["num_chunks"]

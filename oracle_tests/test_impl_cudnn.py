@@ -218,8 +218,8 @@ def _judge_backward(q, kv, ids, sink, lengths, out, lse, dout, got, dv):
 @pytest.mark.parametrize("reduction", ["planes", "fixed"])
 @on_gpu
 def test_triton_fixed_order_backward(shape, reduction, replays):
-    """The deterministic backward's two order-free reductions (private planes folded in program
-    order; per-key fixed point with integer atomics): bitwise replays (at least 5) under heavy
+    """The one-kernel deterministic backward's two order-free reductions (private planes folded
+    in program order; per-key fixed point with integer atomics): bitwise replays (at least 5) under heavy
     contention and duplicate ids, and agreement with the oracle (error-model ratios)."""
     from gpu_impl import cudnn_backend as cb
     from gpu_impl import kernels_triton as kt
@@ -236,7 +236,7 @@ def test_triton_fixed_order_backward(shape, reduction, replays):
         if reduction == kt.BACKWARD_CONFIG["reduction"]:      # through the backend's checks
             dq, dkv, ds = cb.sparse_attention_backward(q, kv, ids, sink, out, lse, dout,
                                                        v_dim=dv, lengths=lengths,
-                                                       deterministic=True)
+                                                       deterministic=True, kernel="planes")
         else:
             dq, dkv, ds = kt.attention_backward(q, kv, ids, sink, out, lse, dout,
                                                 q.shape[2] ** -0.5, dv, lengths,

@@ -1,13 +1,16 @@
-"""The key-major deterministic attention backward (:mod:`gpu_impl.kernels_triton_keymajor`).
+"""The alternative deterministic attention backwards: split (:mod:`gpu_impl.kernels_triton_split`,
+row pass + column-sliced planes) and key-major (:mod:`gpu_impl.kernels_triton_keymajor`). The
+one-kernel planes backward is tested in ``test_impl_cudnn.py``.
 
 - CPU (where triton is installed; skipped otherwise): the kernels under the Triton interpreter
   (``TRITON_INTERPRET=1``, in a subprocess so the interpreter choice cannot leak into other
   tests) on small float16 cases with duplicate and hostile ids, judged against the float64
-  oracle through the error model; the fallback to the planes kernel for spread ids.
-- GPU (``gpu``; Triton only, no cuDNN needed): bf16 cases (heavy contention with duplicates, odd shapes with
-  hostile ids, a CSA-like H 64 / D 512 case with window and compressed keys): the key-major
-  route is taken, bitwise replays, inputs untouched, error-model ratios against the oracle,
-  and the backend's deterministic route with ``kernel="keymajor"``.
+  oracle through the error model; the split kernel with its P/dS buffer forced into several
+  row chunks; the key-major fallback to the planes kernel for spread ids.
+- GPU (``gpu``; Triton only, no cuDNN needed): bf16 cases (heavy contention with duplicates, odd
+  shapes with hostile ids, a CSA-like H 64 / D 512 case with window and compressed keys): the
+  kernel's own route is taken, bitwise replays, inputs untouched, error-model ratios against
+  the oracle, through the backend's deterministic route with ``kernel=``.
 """
 from __future__ import annotations
 
@@ -31,10 +34,11 @@ _INTERPRETED = textwrap.dedent("""
     import json, sys, torch
     import reference as R
     from reference import error_model as EM
-    from gpu_impl import kernels_triton_keymajor as km
+    import importlib
     from oracle_tests.impl_harness import CUDNN_CUDA
     from dsv4_oracle.compare import compare_numeric
-    T, H, D, DV, S, K, spread = json.loads(sys.argv[1])
+    T, H, D, DV, S, K, spread, module, options = json.loads(sys.argv[1])
+    km = importlib.import_module("gpu_impl." + module)
     g = torch.Generator().manual_seed(5)
     dt = torch.float16
     q = torch.randn(T, H, D, generator=g).to(dt)
@@ -61,8 +65,7 @@ _INTERPRETED = textwrap.dedent("""
     before = [x.clone() for x in (q, kv, ids, lengths)]
     stats = {}
     got = km.attention_backward(q, kv, ids, sink, out, lse, dout, D ** -0.5, DV, lengths,
-                                stats=stats, block_m=32, block_s=16, programs_per_sm=2,
-                                max_dense_ratio=4.0 if spread else 1e6)
+                                stats=stats, **options)
     same = all(torch.equal(a, b) for a, b in zip(before, (q, kv, ids, lengths)))
     ref = R.sparse_attention_backward(q, kv, ids, sink, out, lse, dout, v_dim=DV,
                                       lengths=lengths)
@@ -91,14 +94,27 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed (the interpreter lane needs it)")
 
 
+KEYMAJOR_SMALL = dict(block_m=32, block_s=16, programs_per_sm=2, max_dense_ratio=1e6)
+# split: narrow column slices and small slot blocks so that every slice/block path runs; a
+# 1-byte buffer budget forces one row group per chunk (many chunks)
+SPLIT_SMALL = dict(block_d=16, block_n=16, dkv_block_n=32)
+SPLIT_CHUNKED = dict(SPLIT_SMALL, max_buffer_bytes=1)
+
+
 @needs_triton
 @pytest.mark.parametrize("shape", [(40, 4, 32, 32, 60, 12), (33, 3, 48, 32, 50, 10)],
                          ids=["h4-d32", "odd-h3-d48-dv32"])
-def test_keymajor_interpreted_against_oracle(shape):
-    """Key-major tiles (duplicates, hostile ids, bad lengths, empty rows, a -inf sink) agree
-    with the float64 oracle within the error model; the caller's tensors are untouched."""
-    res = _interpret(list(shape) + [False])
-    assert res["stats"]["route"] == "keymajor", res
+@pytest.mark.parametrize("module,options,route", [
+    ("kernels_triton_keymajor", KEYMAJOR_SMALL, "keymajor"),
+    ("kernels_triton_split", SPLIT_SMALL, "split"),
+    ("kernels_triton_split", SPLIT_CHUNKED, "split")], ids=["keymajor", "split", "split-chunked"])
+def test_interpreted_against_oracle(shape, module, options, route):
+    """The kernels (duplicates, hostile ids, bad lengths, empty rows, a -inf sink) agree with
+    the float64 oracle within the error model; the caller's tensors are untouched."""
+    res = _interpret(list(shape) + [False, module, options])
+    assert res["stats"]["route"] == route, res
+    if options is SPLIT_CHUNKED:
+        assert res["stats"]["chunks"] == res["stats"]["groups"] > 1, res
     assert res["untouched"], res
     bad = {k: v for k, v in res["ratios"].items() if not v[0]}
     assert not bad, f"error-model ratios exceeded: {res['ratios']}"
@@ -106,7 +122,8 @@ def test_keymajor_interpreted_against_oracle(shape):
 
 @needs_triton
 def test_keymajor_falls_back_to_planes_for_spread_ids():
-    res = _interpret([24, 2, 16, 16, 4000, 8, True])
+    res = _interpret([24, 2, 16, 16, 4000, 8, True, "kernels_triton_keymajor",
+                      dict(KEYMAJOR_SMALL, max_dense_ratio=4.0)])
     assert res["stats"]["route"] == "planes" and "spread" in res["stats"]["why"], res
     assert not {k: v for k, v in res["ratios"].items() if not v[0]}, res["ratios"]
 
@@ -139,12 +156,13 @@ def _csa_like_inputs(T, seed):
     dict(T=300, H=5, D=48, dv=32, S=200, K=40, hostile=True),    # odd shapes, hostile ids
     "csa-like",
 ], ids=["contention", "hostile-odd", "csa-like-h64-d512"])
+@pytest.mark.parametrize("kernel", ["split", "keymajor"])
 @pytest.mark.gpu
-def test_keymajor_backward_gpu(shape, replays, monkeypatch):
+def test_det_backward_gpu(shape, kernel, replays, monkeypatch):
     """Bitwise replays (at least 5), inputs untouched, oracle error-model ratios; through the
-    backend's deterministic route with the key-major kernel selected."""
+    backend's deterministic route with the kernel selected."""
     from gpu_impl import cudnn_backend as cb
-    from gpu_impl import kernels_triton_keymajor as km
+    km = importlib.import_module(f"gpu_impl.kernels_triton_{kernel}")
     if shape == "csa-like":
         q, kv, ids, lengths, sink, dout = (t.cuda() for t in _csa_like_inputs(384, seed=3))
         dv = 512
@@ -156,24 +174,28 @@ def test_keymajor_backward_gpu(shape, replays, monkeypatch):
         dv = dv or q.shape[2]
     out, lse = cb.sparse_attention_forward(q, kv, ids, sink, v_dim=dv, lengths=lengths)
     stats: dict = {}
-    km.attention_backward(q, kv, ids, sink, out, lse, dout, q.shape[2] ** -0.5, dv, lengths,
-                          stats=stats, fallback=False, max_dense_ratio=1e6)
-    assert stats["route"] == "keymajor", stats
-    monkeypatch.setitem(km.KEYMAJOR_CONFIG, "max_dense_ratio", 1e6)
+    if kernel == "keymajor":
+        km.attention_backward(q, kv, ids, sink, out, lse, dout, q.shape[2] ** -0.5, dv, lengths,
+                              stats=stats, fallback=False, max_dense_ratio=1e6)
+        monkeypatch.setitem(km.KEYMAJOR_CONFIG, "max_dense_ratio", 1e6)
+    else:
+        km.attention_backward(q, kv, ids, sink, out, lse, dout, q.shape[2] ** -0.5, dv, lengths,
+                              stats=stats)
+    assert stats["route"] == kernel, stats
     if importlib.util.find_spec("cudnn") is not None:      # describe() needs the frontend
-        assert "keymajor" in cb.describe("sparse_attention_backward", q, kv, ids, sink, out, lse,
-                                         dout, v_dim=dv, kernel="keymajor")
+        assert kernel in cb.describe("sparse_attention_backward", q, kv, ids, sink, out, lse,
+                                     dout, v_dim=dv, kernel=kernel)
     before = content_hash(dict(ids=ids, lengths=lengths, q=q, kv=kv))
 
     def run():
         dq, dkv, ds = cb.sparse_attention_backward(q, kv, ids, sink, out, lse, dout, v_dim=dv,
                                                    lengths=lengths, deterministic=True,
-                                                   kernel="keymajor")
+                                                   kernel=kernel)
         return {"dq": dq, "dkv": dkv, "dsink": ds}
     diffs = _replay_differences(run, max(replays, 5))
-    assert not diffs, f"key-major backward differs across replays: {diffs}"
+    assert not diffs, f"{kernel} backward differs across replays: {diffs}"
     assert content_hash(dict(ids=ids, lengths=lengths, q=q, kv=kv)) == before
     r = run()
     assert_verdicts(_judge_backward(q, kv, ids, sink, lengths, out, lse, dout,
                                     (r["dq"], r["dkv"], r["dsink"]), dv),
-                    f"key-major bwd {shape} {stats}")
+                    f"{kernel} bwd {shape} {stats}")
