@@ -106,9 +106,11 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-SPLIT_SWEEP = (dict(block_d=32), dict(block_d=128), dict(programs_per_sm=2),
-               dict(block_d=32, programs_per_sm=2), dict(dkv_stages=1), dict(dkv_stages=3),
-               dict(dkv_warps=8), dict(dkv_block_n=128), dict(num_stages=2))
+SPLIT_SWEEP = (dict(programs_per_sm=2), dict(programs_per_sm=4), dict(programs_per_sm=8),
+               dict(programs_per_sm=4, dkv_stages=1), dict(programs_per_sm=4, dkv_stages=3),
+               dict(programs_per_sm=4, dkv_warps=2), dict(programs_per_sm=4, dkv_warps=8),
+               dict(programs_per_sm=4, block_d=128), dict(programs_per_sm=8, block_d=128),
+               dict(programs_per_sm=16, block_d=128), dict(programs_per_sm=4, dkv_block_n=32))
 
 
 def bench_det_backward(x: dict, T: int, reps: int, row, log, sweep: bool = False):
@@ -148,7 +150,7 @@ def bench_det_backward(x: dict, T: int, reps: int, row, log, sweep: bool = False
     if not sweep:
         return
     for name, mod, cfgs in (("split", ks, SPLIT_SWEEP),
-                            ("key-major", km, (dict(num_stages=2, d_chunks=8),))):
+                            ("key-major", km, ())):
         for c in cfgs:
             try:
                 row(f"attention bwd: {name} sweep", timeit(lambda: mod.attention_backward(

@@ -16,7 +16,8 @@ so that the planes can be few and narrow:
    head-dim column slice ``c``. It walks its rows in order and, per block of slots, reads
    ``P``/``dS`` back, forms ``contrib = scale dS^T q_c + P^T dO_c`` and adds it into the
    group's private float32 plane (read-modify-write, no atomics; a CTA barrier separates
-   rows). The column split gives parallelism without more row groups, so the planes (groups x
+   rows; each slot's plane row is precomputed by :func:`plane_rows`, so the read-modify-write
+   waits on one index load, not on an id and a tile-table lookup). The column split gives parallelism without more row groups, so the planes (groups x
    touched key tiles x 64 x D x 4 bytes) stay near L2 size. The ``n_c`` programs of a group are
    adjacent in launch order and read the same ``P``/``dS`` at about the same time (L2 hits).
 3. :func:`gpu_impl.kernels_triton.fold_planes` sums each key tile over groups in group order.
@@ -129,11 +130,11 @@ def _row_kernel(q_ptr, kv_ptr, ids_ptr, len_ptr, do_ptr, full_ptr, delta_ptr, dq
 
 
 @triton.jit
-def _dkv_kernel(q_ptr, do_ptr, ids_ptr, len_ptr, mult_ptr, p_ptr, ds_ptr, plane_ptr, table_ptr,
-                T, H, D, DV, S, K, K_PAD, NT, row0, g0, rows_per_group, n_col, scale,
-                stride_qt, stride_qh, stride_it, stride_dot, stride_doh,
+def _dkv_kernel(q_ptr, do_ptr, len_ptr, mult_ptr, prow_ptr, p_ptr, ds_ptr, plane_ptr,
+                T, H, D, DV, K, K_PAD, row0, g0, rows_per_group, n_col, scale,
+                stride_qt, stride_qh, stride_dot, stride_doh,
                 HAS_LEN: tl.constexpr, HAS_MULT: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILE_ROWS: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     g = g0 + pid // n_col
     col = pid % n_col
@@ -144,7 +145,6 @@ def _dkv_kernel(q_ptr, do_ptr, ids_ptr, len_ptr, mult_ptr, p_ptr, ds_ptr, plane_
     d_ok = dd < D
     r0 = g * rows_per_group
     r1 = tl.minimum(r0 + rows_per_group, T)
-    table_row = table_ptr + g.to(tl.int64) * NT
     for t32 in range(r0, r1):
         t = tl.cast(t32, tl.int64)
         n_slots = K
@@ -158,23 +158,34 @@ def _dkv_kernel(q_ptr, do_ptr, ids_ptr, len_ptr, mult_ptr, p_ptr, ds_ptr, plane_
         for j0 in range(0, n_slots, BLOCK_N):
             slot = j0 + offs_n
             in_len = slot < n_slots
-            idv = tl.load(ids_ptr + t * stride_it + slot, mask=in_len, other=-1).to(tl.int64)
-            active = in_len & (idv >= 0) & (idv < S)
-            sid = tl.where(active, idv, 0)
+            prow = tl.load(prow_ptr + t * K_PAD + slot, mask=in_len, other=-1).to(tl.int64)
+            active = prow >= 0
             p = tl.load(p_ptr + buf_rows + slot[None, :], mask=in_len[None, :], other=0.0)
             ds = tl.load(ds_ptr + buf_rows + slot[None, :], mask=in_len[None, :], other=0.0)
             contrib = tl.dot(tl.trans(ds), qc) * scale + tl.dot(tl.trans(p), oc)
             if HAS_MULT:
                 mult = tl.load(mult_ptr + t * K + slot, mask=in_len, other=0.0)
-                active = active & (mult > 0.0)
                 contrib = contrib * mult[:, None]
-            base = tl.load(table_row + sid // TILE_ROWS, mask=active, other=0)
-            prow = base * TILE_ROWS + sid % TILE_ROWS
-            pptr = plane_ptr + prow[:, None] * D + dd[None, :]
+            pptr = plane_ptr + tl.where(active, prow, 0)[:, None] * D + dd[None, :]
             pmask = active[:, None] & d_ok[None, :]
             old = tl.load(pptr, mask=pmask, other=0.0, cache_modifier=".cg")
             tl.store(pptr, old + contrib, mask=pmask)
         tl.debug_barrier()
+
+
+def plane_rows(ids, active, table, rows_per_group: int, k_pad: int):
+    """Per (row, slot): the plane row its contribution goes to (``table[group, id // 64] * 64
+    + id % 64``), ``-1`` for inactive slots and the padding up to ``k_pad`` (int32
+    ``[T, k_pad]``). Gathers only: deterministic."""
+    T, K = ids.shape
+    dev = ids.device
+    grp = (torch.arange(T, device=dev) // rows_per_group).unsqueeze(1)
+    sid = torch.where(active, ids.to(torch.int64), torch.zeros_like(ids, dtype=torch.int64))
+    base = table[grp, sid // kt.TILE]
+    prow = torch.where(active, base * kt.TILE + sid % kt.TILE, torch.full_like(base, -1))
+    out = torch.full((T, k_pad), -1, dtype=torch.int32, device=dev)
+    out[:, :K] = prow.to(torch.int32)
+    return out
 
 
 def row_statistics(out, lse, dout, sink):
@@ -275,6 +286,7 @@ def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None
     groups_per_chunk = max(1, int(cfg["max_buffer_bytes"]) // max(1, row_bytes * rows_per_group))
     chunk_rows = min(T, groups_per_chunk * rows_per_group)
     buf = torch.empty((2, chunk_rows, block_h, k_pad), dtype=q.dtype, device=dev)
+    prow = plane_rows(ids, active, table, rows_per_group, k_pad)
     dq = torch.empty_like(q)
     lens = lengths.contiguous() if lengths is not None else ids
     mult_arg = mult if mult is not None else delta
@@ -286,11 +298,11 @@ def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None
                  pds=(buf[0], buf[1]), block_n=block_n, d_chunks=cfg["d_chunks"],
                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         _dkv_kernel[((g1 - g0) * n_col,)](
-            q, dout, ids, lens, mult_arg, buf[0], buf[1], planes, table,
-            T, H, D, dv, S, K, k_pad, nt, r0, g0, rows_per_group, n_col, float(scale),
-            q.stride(0), q.stride(1), ids.stride(0), dout.stride(0), dout.stride(1),
+            q, dout, lens, mult_arg, prow, buf[0], buf[1], planes,
+            T, H, D, dv, K, k_pad, r0, g0, rows_per_group, n_col, float(scale),
+            q.stride(0), q.stride(1), dout.stride(0), dout.stride(1),
             HAS_LEN=lengths is not None, HAS_MULT=mult is not None, BLOCK_H=block_h,
-            BLOCK_N=dkv_block_n, BLOCK_D=block_d, TILE_ROWS=kt.TILE,
+            BLOCK_N=dkv_block_n, BLOCK_D=block_d,
             num_warps=cfg["dkv_warps"], num_stages=cfg["dkv_stages"])
         n_chunks += 1
     dkv = torch.empty((S, D), dtype=kv.dtype, device=dev)
