@@ -106,11 +106,8 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-SPLIT_SWEEP = (dict(programs_per_sm=2), dict(programs_per_sm=4), dict(programs_per_sm=8),
-               dict(programs_per_sm=4, dkv_stages=1), dict(programs_per_sm=4, dkv_stages=3),
-               dict(programs_per_sm=4, dkv_warps=2), dict(programs_per_sm=4, dkv_warps=8),
-               dict(programs_per_sm=4, block_d=128), dict(programs_per_sm=8, block_d=128),
-               dict(programs_per_sm=16, block_d=128), dict(programs_per_sm=4, dkv_block_n=32))
+SPLIT_SWEEP = (dict(programs_per_sm=8), dict(programs_per_sm=4, block_d=128),
+               dict(programs_per_sm=2, block_d=128))
 
 
 def bench_det_backward(x: dict, T: int, reps: int, row, log, sweep: bool = False):
@@ -147,6 +144,10 @@ def bench_det_backward(x: dict, T: int, reps: int, row, log, sweep: bool = False
     row("attention bwd: row pass alone (dq only)",
         timeit(lambda: ks.row_pass(q, kv, ids, lengths, dout, full2, delta, scale, DV), reps),
         2.0 * n * H * (2 * D + DV))
+    for c in ({},) + SPLIT_SWEEP:
+        st = dict(time=True)
+        ks.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV, lengths, stats=st, **c)
+        log(f"T={T} split phases {c}: {st.get('ms')} (plane bytes {st['plane_bytes']})")
     if not sweep:
         return
     for name, mod, cfgs in (("split", ks, SPLIT_SWEEP),

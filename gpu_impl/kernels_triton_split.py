@@ -17,8 +17,9 @@ so that the planes can be few and narrow:
    ``P``/``dS`` back, forms ``contrib = scale dS^T q_c + P^T dO_c`` and adds it into the
    group's private float32 plane (read-modify-write, no atomics; a CTA barrier separates
    rows; each slot's plane row is precomputed by :func:`plane_rows`, so the read-modify-write
-   waits on one index load, not on an id and a tile-table lookup). The column split gives parallelism without more row groups, so the planes (groups x
-   touched key tiles x 64 x D x 4 bytes) stay near L2 size. The ``n_c`` programs of a group are
+   waits on one index load, not on an id and a tile-table lookup). The column split gives
+   parallelism without more row groups, so the planes (groups x touched key tiles x 64 x D x 4
+   bytes) stay near L2 size. The ``n_c`` programs of a group are
    adjacent in launch order and read the same ``P``/``dS`` at about the same time (L2 hits).
 3. :func:`gpu_impl.kernels_triton.fold_planes` sums each key tile over groups in group order.
 
@@ -188,6 +189,35 @@ def plane_rows(ids, active, table, rows_per_group: int, k_pad: int):
     return out
 
 
+class _PhaseTimer:
+    """Milliseconds per phase from CUDA events (a no-op when disabled); phases that repeat
+    (row chunks) add up."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.marks: list = []
+        if enabled:
+            self._event("start")
+
+    def _event(self, name):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self.marks.append((name, ev))
+
+    def mark(self, name: str):
+        if self.enabled:
+            self._event(name)
+
+    def result(self) -> dict:
+        if not self.enabled:
+            return {}
+        self.marks[-1][1].synchronize()
+        ms: dict = {}
+        for (_, a), (name, b) in zip(self.marks, self.marks[1:]):
+            ms[name] = round(ms.get(name, 0.0) + a.elapsed_time(b), 4)
+        return {"ms": ms}
+
+
 def row_statistics(out, lse, dout, sink):
     """Per row: ``Delta = rowsum(dO * out)``, the full normaliser ``logaddexp(lse, sink)`` in
     log2 units (+inf on empty rows), and ``dsink`` (fixed-shape float32 reductions; the planes
@@ -242,7 +272,9 @@ def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None
     """Deterministic section 6 backward (``dq``, ``dkv``, float32 ``dsink``) with the same
     argument conventions as :func:`gpu_impl.kernels_triton.attention_backward` (arguments
     already validated). ``overrides`` replace :data:`SPLIT_CONFIG` entries; ``stats``, when
-    given, receives the layout (groups, column slices, plane and buffer bytes, chunks)."""
+    given, receives the layout (groups, column slices, plane and buffer bytes, chunks); with
+    ``stats["time"] = True`` also the milliseconds of each phase (CUDA events; this adds
+    synchronisations, so time whole calls without it)."""
     cfg = dict(SPLIT_CONFIG)
     for k_, v_ in overrides.items():
         if k_ not in cfg:
@@ -260,6 +292,7 @@ def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
     dout = dout.contiguous()
     ids = ids.contiguous()
+    timer = _PhaseTimer(stats is not None and stats.get("time") is True and dev.type == "cuda")
     delta, full2, dsink = row_statistics(out, lse, dout, sink)
     # Slot validity, duplicate merging and the plane layout (integer ops: deterministic).
     valid = (ids >= 0) & (ids < S)
@@ -287,6 +320,7 @@ def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None
     chunk_rows = min(T, groups_per_chunk * rows_per_group)
     buf = torch.empty((2, chunk_rows, block_h, k_pad), dtype=q.dtype, device=dev)
     prow = plane_rows(ids, active, table, rows_per_group, k_pad)
+    timer.mark("layout")
     dq = torch.empty_like(q)
     lens = lengths.contiguous() if lengths is not None else ids
     mult_arg = mult if mult is not None else delta
@@ -297,6 +331,7 @@ def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None
         row_pass(q, kv, ids, lengths, dout, full2, delta, scale, dv, dq=dq, rows=(r0, r1),
                  pds=(buf[0], buf[1]), block_n=block_n, d_chunks=cfg["d_chunks"],
                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        timer.mark("row_pass")
         _dkv_kernel[((g1 - g0) * n_col,)](
             q, dout, lens, mult_arg, prow, buf[0], buf[1], planes,
             T, H, D, dv, K, k_pad, r0, g0, rows_per_group, n_col, float(scale),
@@ -304,11 +339,14 @@ def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None
             HAS_LEN=lengths is not None, HAS_MULT=mult is not None, BLOCK_H=block_h,
             BLOCK_N=dkv_block_n, BLOCK_D=block_d,
             num_warps=cfg["dkv_warps"], num_stages=cfg["dkv_stages"])
+        timer.mark("dkv_pass")
         n_chunks += 1
     dkv = torch.empty((S, D), dtype=kv.dtype, device=dev)
     kt.fold_planes(planes, table, dkv, groups, nt)
+    timer.mark("fold")
     if stats is not None:
         stats.update(route="split", groups=groups, rows_per_group=rows_per_group,
                      column_slices=n_col, plane_bytes=planes.numel() * 4,
-                     buffer_bytes=buf.numel() * buf.element_size(), chunks=n_chunks)
+                     buffer_bytes=buf.numel() * buf.element_size(), chunks=n_chunks,
+                     **timer.result())
     return dq, dkv, dsink
