@@ -106,8 +106,8 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-SPLIT_SWEEP = (dict(programs_per_sm=8), dict(programs_per_sm=4, block_d=128),
-               dict(programs_per_sm=2, block_d=128))
+SPLIT_SWEEP = (dict(programs_per_sm=16), dict(programs_per_sm=8, block_d=128),
+               dict(programs_per_sm=8, dkv_warps=8, dkv_block_n=128))
 
 
 def bench_det_backward(x: dict, T: int, reps: int, row, log, sweep: bool = False):
@@ -140,7 +140,7 @@ def bench_det_backward(x: dict, T: int, reps: int, row, log, sweep: bool = False
             timeit(lambda mod=mod: mod.attention_backward(q, kv, ids, sink, out, lse, dout, scale,
                                                           DV, lengths), reps), f_bwd,
             note=f"replay equal {same}; {stats}; {cfg}")
-    delta, full2, _ = ks.row_statistics(out, lse, dout, sink)
+    delta, full2, _ = kt.row_statistics(out, lse, dout, sink)
     row("attention bwd: row pass alone (dq only)",
         timeit(lambda: ks.row_pass(q, kv, ids, lengths, dout, full2, delta, scale, DV), reps),
         2.0 * n * H * (2 * D + DV))

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["attention_forward", "attention_backward", "fold_planes", "tile_table",
-           "slot_multiplicity", "FORWARD_CONFIG", "BACKWARD_CONFIG"]
+           "slot_multiplicity", "row_statistics", "FORWARD_CONFIG", "BACKWARD_CONFIG"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -271,6 +271,52 @@ def _fold_kernel(plane_ptr, table_ptr, dkv_ptr, S, D, NT, G, stride_dkv,
              mask=(key < S)[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def _delta_kernel(o_ptr, do_ptr, delta_ptr, H, DV, stride_ot, stride_oh, stride_dt, stride_dh,
+                  BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    offs_v = tl.arange(0, BLOCK_V)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for v0 in range(0, DV, BLOCK_V):
+        vv = v0 + offs_v
+        m = h_ok[:, None] & (vv < DV)[None, :]
+        o = tl.load(o_ptr + t * stride_ot + offs_h[:, None] * stride_oh + vv[None, :], mask=m,
+                    other=0.0).to(tl.float32)
+        d = tl.load(do_ptr + t * stride_dt + offs_h[:, None] * stride_dh + vv[None, :], mask=m,
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(o * d, 1)
+    tl.store(delta_ptr + t * H + offs_h, acc, mask=h_ok)
+
+
+def row_statistics(out, lse, dout, sink):
+    """Per row: ``Delta = rowsum(dO * out)`` (float32 products and sums in one Triton program
+    per row: a fixed order, no float32 copies of ``out``/``dO``), the full normaliser
+    ``logaddexp(lse, sink)`` in log2 units (+inf on empty rows) and ``dsink`` (fixed-shape float32
+    torch reductions of per-row terms). Empty rows (``lse = +inf``) contribute nothing."""
+    f32 = torch.float32
+    T, H, DV = out.shape
+    out = out if out.stride(-1) == 1 else out.contiguous()
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    delta = torch.empty((T, H), dtype=f32, device=out.device)
+    if T:
+        _delta_kernel[(T,)](out, dout, delta, H, DV, out.stride(0), out.stride(1),
+                            dout.stride(0), dout.stride(1), BLOCK_H=_pow2(H),
+                            BLOCK_V=min(128, _pow2(DV)), num_warps=4)
+    lse32 = lse.to(f32)
+    sink32 = sink.to(f32)
+    empty = torch.isinf(lse32) & (lse32 > 0)
+    lse0 = torch.where(empty, torch.zeros_like(lse32), lse32)
+    delta = torch.where(empty, torch.zeros_like(delta), delta)
+    full = torch.logaddexp(lse0, sink32.unsqueeze(0))
+    full = torch.where(empty, torch.full_like(full, math.inf), full)
+    p_sink = torch.sigmoid(sink32.unsqueeze(0) - lse0)
+    p_sink = torch.where(empty, torch.zeros_like(p_sink), p_sink)
+    dsink = -(p_sink * delta).sum(dim=0)
+    return delta.contiguous(), (full * LOG2E).contiguous(), dsink
+
+
 def slot_multiplicity(ids: torch.Tensor, valid: torch.Tensor):
     """Per slot, how many valid slots of its row hold the same id, on the first of them, and 0
     on the later duplicates and invalid slots (float32 ``[T, K]``); ``None`` when no row holds a
@@ -278,8 +324,9 @@ def slot_multiplicity(ids: torch.Tensor, valid: torch.Tensor):
     T, K = ids.shape
     if K < 2 or T == 0:
         return None
-    big = torch.iinfo(torch.int64).max
-    key = torch.where(valid, ids.to(torch.int64), torch.full_like(ids, big, dtype=torch.int64))
+    # valid ids are < S <= 2^31 - 1, so int32 keys hold them (a faster sort than int64)
+    big = torch.iinfo(torch.int32).max
+    key = torch.where(valid, ids.to(torch.int32), torch.full_like(ids, big, dtype=torch.int32))
     srt, perm = torch.sort(key, dim=1, stable=True)
     same = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != big)
     if not bool(same.any()):
@@ -370,18 +417,7 @@ def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None
         dq.zero_()
         return dq, torch.zeros((S, D), dtype=kv.dtype, device=dev), torch.zeros(
             H, dtype=f32, device=dev)
-    # Row statistics (per row, fixed-shape reductions): Delta, the full normaliser (log2), dsink.
-    lse32 = lse.to(f32)
-    sink32 = sink.to(f32)
-    empty = torch.isinf(lse32) & (lse32 > 0)
-    delta = (dout.to(f32) * out.to(f32)).sum(dim=-1)                       # [T, H]
-    delta = torch.where(empty, torch.zeros_like(delta), delta)      # empty rows: nothing at all
-    full = torch.logaddexp(torch.where(empty, torch.zeros_like(lse32), lse32), sink32.unsqueeze(0))
-    full = torch.where(empty, torch.full_like(full, math.inf), full)
-    full2 = (full * LOG2E).contiguous()
-    p_sink = torch.sigmoid(sink32.unsqueeze(0) - torch.where(empty, torch.zeros_like(lse32), lse32))
-    p_sink = torch.where(empty, torch.zeros_like(p_sink), p_sink)
-    dsink = -(p_sink * delta).sum(dim=0)
+    delta, full2, dsink = row_statistics(out, lse, dout, sink)
     # Slot validity; the reduction's layout.
     slot = torch.arange(K, device=dev).unsqueeze(0)
     valid = (ids >= 0) & (ids < S)

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from . import kernels_triton as kt
-from .kernels_triton_split import _chunks, row_pass, row_statistics
+from .kernels_triton_split import _chunks, row_pass
 
 __all__ = ["attention_backward", "keymajor_plan", "KEYMAJOR_CONFIG"]
 
@@ -249,7 +249,7 @@ def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None
         return planes("ids too spread for dense key-major tiles")
     stats.update(route="keymajor", pairs=plan["num_pairs"], chunks=plan["num_chunks"],
                  dense_ratio=round(plan["dense_ratio"], 3), rows_per_block=R)
-    delta, full2, dsink = row_statistics(out, lse, dout, sink)
+    delta, full2, dsink = kt.row_statistics(out, lse, dout, sink)
     dq = row_pass(q, kv, ids, lengths, dout, full2, delta, scale, dv, block_n=cfg["block_n"],
                   d_chunks=cfg["d_chunks"], num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from . import kernels_triton as kt
 
-__all__ = ["attention_backward", "row_pass", "row_statistics", "SPLIT_CONFIG"]
+__all__ = ["attention_backward", "row_pass", "plane_rows", "SPLIT_CONFIG"]
 
 LOG2E = 1.4426950408889634
 
@@ -52,7 +52,7 @@ LOG2E = 1.4426950408889634
 # docs/CUDNN.md). Row pass: block_n slots per step, the head dim in d_chunks register chunks.
 # dkv pass: block_d columns per program, groups = ceil(SMs * programs_per_sm / column slices).
 SPLIT_CONFIG = dict(block_n=64, d_chunks=4, num_warps=8, num_stages=1,
-                    block_d=64, dkv_block_n=64, programs_per_sm=1, groups=None,
+                    block_d=64, dkv_block_n=64, programs_per_sm=8, groups=None,
                     dkv_warps=4, dkv_stages=2, max_buffer_bytes=2 ** 31)
 
 
@@ -218,25 +218,6 @@ class _PhaseTimer:
         return {"ms": ms}
 
 
-def row_statistics(out, lse, dout, sink):
-    """Per row: ``Delta = rowsum(dO * out)``, the full normaliser ``logaddexp(lse, sink)`` in
-    log2 units (+inf on empty rows), and ``dsink`` (fixed-shape float32 reductions; the planes
-    kernel's formulas)."""
-    f32 = torch.float32
-    lse32 = lse.to(f32)
-    sink32 = sink.to(f32)
-    empty = torch.isinf(lse32) & (lse32 > 0)
-    lse0 = torch.where(empty, torch.zeros_like(lse32), lse32)
-    delta = (dout.to(f32) * out.to(f32)).sum(dim=-1)
-    delta = torch.where(empty, torch.zeros_like(delta), delta)
-    full = torch.logaddexp(lse0, sink32.unsqueeze(0))
-    full = torch.where(empty, torch.full_like(full, math.inf), full)
-    p_sink = torch.sigmoid(sink32.unsqueeze(0) - lse0)
-    p_sink = torch.where(empty, torch.zeros_like(p_sink), p_sink)
-    dsink = -(p_sink * delta).sum(dim=0)
-    return delta.contiguous(), (full * LOG2E).contiguous(), dsink
-
-
 def _chunks(D: int, d_chunks: int):
     bd = _pow2(D)
     nch = max(1, min(int(d_chunks), bd // 16, 4))
@@ -293,7 +274,8 @@ def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None
     dout = dout.contiguous()
     ids = ids.contiguous()
     timer = _PhaseTimer(stats is not None and stats.get("time") is True and dev.type == "cuda")
-    delta, full2, dsink = row_statistics(out, lse, dout, sink)
+    delta, full2, dsink = kt.row_statistics(out, lse, dout, sink)
+    timer.mark("statistics")
     # Slot validity, duplicate merging and the plane layout (integer ops: deterministic).
     valid = (ids >= 0) & (ids < S)
     if lengths is not None:
@@ -301,6 +283,7 @@ def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None
                   < lengths.to(torch.int64).clamp(0, K).unsqueeze(1))
     mult = kt.slot_multiplicity(ids, valid)
     active = valid if mult is None else (mult > 0)
+    timer.mark("multiplicity")
     block_d = min(int(cfg["block_d"]), _pow2(D))
     n_col = -(-D // block_d)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
@@ -309,6 +292,7 @@ def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None
     rows_per_group = -(-T // groups)
     groups = -(-T // rows_per_group)
     table, nt, total = kt.tile_table(ids, active, S, groups, rows_per_group)
+    timer.mark("tile_table")
     planes = torch.zeros((max(total, 1) * kt.TILE, D), dtype=f32, device=dev)
     # P/dS buffer: whole groups per chunk, at most max_buffer_bytes.
     block_h = _pow2(H)
@@ -320,7 +304,7 @@ def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None
     chunk_rows = min(T, groups_per_chunk * rows_per_group)
     buf = torch.empty((2, chunk_rows, block_h, k_pad), dtype=q.dtype, device=dev)
     prow = plane_rows(ids, active, table, rows_per_group, k_pad)
-    timer.mark("layout")
+    timer.mark("plane_rows")
     dq = torch.empty_like(q)
     lens = lengths.contiguous() if lengths is not None else ids
     mult_arg = mult if mult is not None else delta
