@@ -23,8 +23,9 @@ sparse_attention_forward          SM90: Triton (:mod:`gpu_impl.kernels_triton`; 
                                   keys (:mod:`gpu_impl.kernels_cudnn_sdpa`, measured only)
 sparse_attention_backward         default mode, SM90: cuDNN ``sparse_attention_backward_
                                   wrapper`` (float atomics: dkv, dsink not repeatable);
-                                  deterministic, SM90: Triton fixed-order planes; SM100:
-                                  cuDNN ``deterministic=True``
+                                  deterministic, SM90: Triton, fixed-order planes
+                                  (``kernel=``: ``split`` (auto), ``planes``, ``keymajor``);
+                                  SM100: cuDNN ``deterministic=True``
 sparse_indexer_loss               teacher from cuDNN ``sparse_attn_score_recompute_wrapper``
                                   (with ``lse := logaddexp(lse, sink)``, renormalised to undo
                                   the kernel's ``+1e-10``); student and KL in torch (float32)
