@@ -106,8 +106,8 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-SPLIT_SWEEP = (dict(programs_per_sm=16), dict(programs_per_sm=8, block_d=128),
-               dict(programs_per_sm=8, dkv_warps=8, dkv_block_n=128))
+SPLIT_SWEEP = (dict(num_warps=4), dict(block_n=32), dict(block_n=128, dkv_block_n=128),
+               dict(d_chunks=8), dict(num_warps=4, d_chunks=8), dict(programs_per_sm=16))
 
 
 def bench_det_backward(x: dict, T: int, reps: int, row, log, sweep: bool = False):
