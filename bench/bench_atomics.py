@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -24,6 +23,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_gpu import timeit                      # noqa: E402  (this folder is on sys.path)
 
 
 @triton.jit
@@ -61,23 +62,6 @@ METHODS = {"fp32": 0, "int32": 1, "fp32x": 2, "rmw": 3, "store": 4, "fp64x": 5, 
 DTYPES = {"int32": torch.int32, "fp64x": torch.float64, "int64": torch.int64}
 
 
-def timeit(fn, reps):
-    for _ in range(3):
-        fn()
-    if not torch.cuda.is_available():
-        return float("nan")
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=4096)
@@ -99,9 +83,10 @@ def main():
             acc = torch.zeros((args.S, args.D), dtype=dt, device=dev)
             grid = (args.T, triton.cdiv(args.D, block_d))
             for warps in (4, 8):
-                ms = timeit(lambda: _scatter_kernel[grid](ids, acc, args.K, args.D, METHOD=code,
-                                                         BLOCK_N=64, BLOCK_D=block_d,
-                                                         num_warps=warps), args.reps)
+                def call():
+                    _scatter_kernel[grid](ids, acc, args.K, args.D, METHOD=code, BLOCK_N=64,
+                                          BLOCK_D=block_d, num_warps=warps)
+                ms = timeit(call, args.reps) if dev == "cuda" else (call(), float("nan"))[1]
                 r = dict(method=name, block_d=block_d, num_warps=warps, ms=round(ms, 4),
                          GBps=round(nbytes / (ms * 1e-3) / 1e9, 1))
                 rows.append(r)

@@ -55,6 +55,31 @@ def _pow2(n: int, lo: int = 16) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# slot validity (shared by every kernel that walks a row's slots)
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _row_slots(len_ptr, t, K, HAS_LEN: tl.constexpr):
+    """Section 6: the number of slots of row ``t`` that may be valid, ``clamp(len_t, 0, K)``
+    (``K`` without lengths)."""
+    n_slots = K
+    if HAS_LEN:
+        n_slots = tl.minimum(tl.maximum(tl.load(len_ptr + t), 0), K)
+    return n_slots
+
+
+@triton.jit
+def _slot_block(ids_row_ptr, j0, n_slots, S, offs_n):
+    """Section 6 slot validity for slots ``j0 + offs_n`` of one row: ``(slot, in_len, valid,
+    sid)`` with ``valid = slot < n_slots and 0 <= id < S`` and ``sid`` the id where valid, else
+    0 (a safe address; invalid ids are never read)."""
+    slot = j0 + offs_n
+    in_len = slot < n_slots
+    idv = tl.load(ids_row_ptr + slot, mask=in_len, other=-1).to(tl.int64)
+    valid = in_len & (idv >= 0) & (idv < S)
+    return slot, in_len, valid, tl.where(valid, idv, 0)
+
+
+# --------------------------------------------------------------------------------------------
 # forward
 # --------------------------------------------------------------------------------------------
 @triton.jit
@@ -71,19 +96,14 @@ def _fwd_kernel(q_ptr, kv_ptr, ids_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
     offs_d = tl.arange(0, BLOCK_D)
     offs_v = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
     v_ok = offs_v < DV
-    n_slots = K
-    if HAS_LEN:
-        n_slots = tl.minimum(tl.maximum(tl.load(len_ptr + t), 0), K)
+    n_slots = _row_slots(len_ptr, t, K, HAS_LEN)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     q_row = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
     for j0 in range(0, n_slots, BLOCK_N):
-        slot = j0 + offs_n
-        in_len = slot < n_slots
-        idv = tl.load(ids_ptr + t * stride_it + slot, mask=in_len, other=-1).to(tl.int64)
-        valid = in_len & (idv >= 0) & (idv < S)
-        kv_rows = kv_ptr + tl.where(valid, idv, 0)[:, None] * stride_kv
+        slot, in_len, valid, sid = _slot_block(ids_ptr + t * stride_it, j0, n_slots, S, offs_n)
+        kv_rows = kv_ptr + sid[:, None] * stride_kv
         s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):
             dd = d0 + offs_d
@@ -175,20 +195,16 @@ def _bwd_kernel(q_ptr, kv_ptr, ids_ptr, len_ptr, mult_ptr, do_ptr, full_ptr, del
     table_row = table_ptr + g.to(tl.int64) * NT
     for t32 in range(r0, r1):
         t = tl.cast(t32, tl.int64)
-        n_slots = K
-        if HAS_LEN:
-            n_slots = tl.minimum(tl.maximum(tl.load(len_ptr + t), 0), K)
+        n_slots = _row_slots(len_ptr, t, K, HAS_LEN)
         full2 = tl.load(full_ptr + t * H + offs_h, mask=h_ok, other=float("inf"))
         delta = tl.load(delta_ptr + t * H + offs_h, mask=h_ok, other=0.0)
         q_row = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
         do_row = do_ptr + t * stride_dot + offs_h[:, None] * stride_doh
         # phase 1: P and dS of the row, block by block of slots, into the program's scratch
         for j0 in range(0, n_slots, BLOCK_N):
-            slot = j0 + offs_n
-            in_len = slot < n_slots
-            idv = tl.load(ids_ptr + t * stride_it + slot, mask=in_len, other=-1).to(tl.int64)
-            valid = in_len & (idv >= 0) & (idv < S)
-            kv_rows = kv_ptr + tl.where(valid, idv, 0)[:, None] * stride_kv
+            slot, in_len, valid, sid = _slot_block(ids_ptr + t * stride_it, j0, n_slots, S,
+                                                   offs_n)
+            kv_rows = kv_ptr + sid[:, None] * stride_kv
             s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
             dp = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
             for d0 in range(0, D, BLOCK_D):
@@ -217,11 +233,8 @@ def _bwd_kernel(q_ptr, kv_ptr, ids_ptr, len_ptr, mult_ptr, do_ptr, full_ptr, del
             oc = tl.load(do_row + dd[None, :], mask=h_ok[:, None] & (dd < DV)[None, :], other=0.0)
             dq_acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
             for j0 in range(0, n_slots, BLOCK_N):
-                slot = j0 + offs_n
-                in_len = slot < n_slots
-                idv = tl.load(ids_ptr + t * stride_it + slot, mask=in_len, other=-1).to(tl.int64)
-                valid = in_len & (idv >= 0) & (idv < S)
-                sid = tl.where(valid, idv, 0)
+                slot, in_len, valid, sid = _slot_block(ids_ptr + t * stride_it, j0, n_slots, S,
+                                                       offs_n)
                 p = tl.load(scr_p + scr_rows + slot[None, :])
                 ds = tl.load(scr_ds + scr_rows + slot[None, :])
                 kc = tl.load(kv_ptr + sid[:, None] * stride_kv + dd[None, :],

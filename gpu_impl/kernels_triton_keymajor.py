@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from . import kernels_triton as kt
+from .kernels_triton import _pow2
 from .kernels_triton_split import _chunks, row_pass
 
 __all__ = ["attention_backward", "keymajor_plan", "KEYMAJOR_CONFIG"]
@@ -50,10 +51,6 @@ LOG2E = 1.4426950408889634
 # (row, key) products per valid slot before falling back to the planes kernel.
 KEYMAJOR_CONFIG = dict(block_s=64, block_m=64, d_chunks=4, block_n=64, num_warps=8,
                        num_stages=1, programs_per_sm=2, max_dense_ratio=4.0)
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, 1 << max(0, (int(n) - 1).bit_length()))
 
 
 @triton.jit

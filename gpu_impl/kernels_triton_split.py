@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from . import kernels_triton as kt
+from .kernels_triton import _pow2, _row_slots, _slot_block
 
 __all__ = ["attention_backward", "row_pass", "plane_rows", "SPLIT_CONFIG"]
 
@@ -54,10 +55,6 @@ LOG2E = 1.4426950408889634
 SPLIT_CONFIG = dict(block_n=64, d_chunks=4, num_warps=8, num_stages=1,
                     block_d=64, dkv_block_n=64, programs_per_sm=8, groups=None,
                     dkv_warps=4, dkv_stages=2, max_buffer_bytes=2 ** 31)
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, 1 << max(0, (int(n) - 1).bit_length()))
 
 
 @triton.jit
@@ -72,9 +69,7 @@ def _row_kernel(q_ptr, kv_ptr, ids_ptr, len_ptr, do_ptr, full_ptr, delta_ptr, dq
     h_ok = offs_h < H
     offs_n = tl.arange(0, BLOCK_N)
     offs_c = tl.arange(0, DC)
-    n_slots = K
-    if HAS_LEN:
-        n_slots = tl.minimum(tl.maximum(tl.load(len_ptr + t), 0), K)
+    n_slots = _row_slots(len_ptr, t, K, HAS_LEN)
     full2 = tl.load(full_ptr + t * H + offs_h, mask=h_ok, other=float("inf"))
     delta = tl.load(delta_ptr + t * H + offs_h, mask=h_ok, other=0.0)
     q_row = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
@@ -85,11 +80,8 @@ def _row_kernel(q_ptr, kv_ptr, ids_ptr, len_ptr, do_ptr, full_ptr, delta_ptr, dq
     acc2 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
     for j0 in range(0, n_slots, BLOCK_N):
-        slot = j0 + offs_n
-        in_len = slot < n_slots
-        idv = tl.load(ids_ptr + t * stride_it + slot, mask=in_len, other=-1).to(tl.int64)
-        valid = in_len & (idv >= 0) & (idv < S)
-        kv_rows = kv_ptr + tl.where(valid, idv, 0)[:, None] * stride_kv
+        slot, in_len, valid, sid = _slot_block(ids_ptr + t * stride_it, j0, n_slots, S, offs_n)
+        kv_rows = kv_ptr + sid[:, None] * stride_kv
         s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         dp = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         for ci in tl.static_range(NCH):
@@ -148,9 +140,7 @@ def _dkv_kernel(q_ptr, do_ptr, len_ptr, mult_ptr, prow_ptr, p_ptr, ds_ptr, plane
     r1 = tl.minimum(r0 + rows_per_group, T)
     for t32 in range(r0, r1):
         t = tl.cast(t32, tl.int64)
-        n_slots = K
-        if HAS_LEN:
-            n_slots = tl.minimum(tl.maximum(tl.load(len_ptr + t), 0), K)
+        n_slots = _row_slots(len_ptr, t, K, HAS_LEN)
         qc = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + dd[None, :],
                      mask=h_ok[:, None] & d_ok[None, :], other=0.0)
         oc = tl.load(do_ptr + t * stride_dot + offs_h[:, None] * stride_doh + dd[None, :],

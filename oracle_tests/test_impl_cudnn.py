@@ -198,6 +198,20 @@ def _attention_inputs(T, H, D, S, K, *, seed, dv=None, dup_keys=None, hostile=Fa
     return q, kv, ids.to(torch.int32), lengths.to(torch.int32), sink, dout
 
 
+def assert_deterministic_backward(run, inputs, dv, replays, what):
+    """``run()`` -> ``{"dq", "dkv", "dsink"}`` of a deterministic backward on ``inputs = (q, kv,
+    ids, sink, lengths, out, lse, dout)``: bitwise equal over ``max(replays, 5)`` replays, the
+    inputs' bytes untouched, every output within the error model against the oracle."""
+    q, kv, ids, sink, lengths, out, lse, dout = inputs
+    before = content_hash(dict(ids=ids, lengths=lengths, q=q, kv=kv, out=out, dout=dout))
+    diffs = _replay_differences(run, max(replays, 5))
+    assert not diffs, f"{what}: differs across replays: {diffs}"
+    assert content_hash(dict(ids=ids, lengths=lengths, q=q, kv=kv, out=out, dout=dout)) == before
+    r = run()
+    assert_verdicts(_judge_backward(q, kv, ids, sink, lengths, out, lse, dout,
+                                    (r["dq"], r["dkv"], r["dsink"]), dv), what)
+
+
 def _judge_backward(q, kv, ids, sink, lengths, out, lse, dout, got, dv):
     c = [t.cpu() for t in (q, kv, ids, sink, lengths, out, lse, dout)]
     q_, kv_, ids_, sink_, len_, out_, lse_, dout_ = c
@@ -227,7 +241,6 @@ def test_triton_fixed_order_backward(shape, reduction, replays):
     dv = shape.pop("dv", None)
     q, kv, ids, lengths, sink, dout = (t.cuda() for t in _attention_inputs(**shape, seed=7, dv=dv))
     dv = dv or q.shape[2]
-    before = content_hash(dict(ids=ids, lengths=lengths, q=q, kv=kv))
     out, lse = cb.sparse_attention_forward(q, kv, ids, sink, v_dim=dv, lengths=lengths)
     assert cb.describe("sparse_attention_backward", q, kv, ids, sink, out, lse, dout,
                        v_dim=dv).startswith("triton")
@@ -242,12 +255,8 @@ def test_triton_fixed_order_backward(shape, reduction, replays):
                                                 q.shape[2] ** -0.5, dv, lengths,
                                                 reduction=reduction)
         return {"dq": dq, "dkv": dkv, "dsink": ds}
-    diffs = _replay_differences(run, max(replays, 5))
-    assert not diffs, f"deterministic backward differs across replays: {diffs}"
-    assert content_hash(dict(ids=ids, lengths=lengths, q=q, kv=kv)) == before
-    r = run()
-    assert_verdicts(_judge_backward(q, kv, ids, sink, lengths, out, lse, dout,
-                                    (r["dq"], r["dkv"], r["dsink"]), dv), f"triton bwd {shape}")
+    assert_deterministic_backward(run, (q, kv, ids, sink, lengths, out, lse, dout), dv, replays,
+                                  f"triton bwd ({reduction}) {shape}")
 
 
 @on_sm90
