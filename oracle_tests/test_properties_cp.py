@@ -8,12 +8,19 @@ loss, dk_idx) bitwise. Also, evaluating only a rank's rows through the public op
 q, ids, lengths, scores) reproduces the cp=1 rows.
 """
 import torch
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 import reference as R
-from fixtures import run_oracle
+from fixtures import Case, run_oracle
 from fixtures.strategies import cases, cp_layouts, settings
+
+# Found by hypothesis in CI (2026-11-30): one document of 1 token, so no complete compressed group
+# (C = 0); the rank plans' id lookups indexed an empty table. Kept as a fixed example.
+C_ZERO_CP2 = Case(name="", seed=0, cu_seqlens=(0, 1), cu_seqlens_padded=(0, 1), num_rows=16,
+                  heads=1, head_dim=16, window=1, ratio=4, topk=1, index_heads=1, index_dim=8,
+                  layer="csa", sink="normal", coeff=0.01, dtype="bfloat16", index_dtype="int32",
+                  cp=2, cp_mode="contiguous")
 
 
 def _bits(a, b):
@@ -33,6 +40,7 @@ def cp_cases(draw):
 
 @settings(15)
 @given(cp_cases())
+@example(case=C_ZERO_CP2)
 def test_rank_results_equal_cp1_bitwise(case):
     x = case.materialize()
     o = run_oracle(case, x)

@@ -62,6 +62,15 @@ def cp_halo_width(window: int, ratio: int) -> int:
     return max(window, comp)
 
 
+
+def _lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``table[ids]`` where ``0 <= ids < len(table)``, else -1; an empty table (no keys, or no
+    complete compressed group: ``C = 0``) maps every id to -1."""
+    if table.numel() == 0:
+        return torch.full(ids.shape, -1, dtype=table.dtype)
+    inside = (ids >= 0) & (ids < table.numel())
+    return torch.where(inside, table[torch.where(inside, ids, 0)], -1)
+
 class CPRankPlan:
     """The CP plan of one rank (section 10); built by :func:`cp_plans`. Read-only.
 
@@ -150,17 +159,12 @@ class CPRankPlan:
 
     def to_logical(self, ids) -> torch.Tensor:
         """Physical key slots -> logical key ids; slots outside ``[0, S)`` or unused give -1."""
-        ids = as_index(ids, "ids")
-        inside = (ids >= 0) & (ids < self.num_keys)
-        return torch.where(inside, self.key_ids[torch.where(inside, ids, 0)], -1)
+        return _lookup(self.key_ids, as_index(ids, "ids"))
 
     def compressed_to_slots(self, compressed_ids) -> torch.Tensor:
         """Global compressed ids (columns of the indexer) -> gathered-buffer slots; entries
         outside ``[0, C)`` give -1."""
-        ids = as_index(compressed_ids, "compressed_ids")
-        C = int(self.group_slot.numel())
-        inside = (ids >= 0) & (ids < C)
-        return torch.where(inside, self.group_slot[torch.where(inside, ids, 0)], -1)
+        return _lookup(self.group_slot, as_index(compressed_ids, "compressed_ids"))
 
     # -- buffers ---------------------------------------------------------------------------
     def gathered(self, x_cmp, name: str = "x_cmp") -> torch.Tensor:
