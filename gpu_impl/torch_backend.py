@@ -479,7 +479,10 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
         norm = torch.logsumexp(per_c, dim=1, keepdim=True)
         norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
         tau = torch.where(massive, torch.exp(per_c - norm), torch.zeros_like(per_c))
-        p = _masked_softmax(torch.gather(scores[r0:r1].to(F32), 1, safe[r0:r1]), massive)
+        sc = scores[r0:r1].to(F32)
+        if C == 0:                        # no compressed key: every slot is invalid (massive is
+            sc = sc.new_zeros((r1 - r0, 1))   # all False), gather from one zero column
+        p = _masked_softmax(torch.gather(sc, 1, safe[r0:r1]), massive)
         target[r0:r1] = tau
         predict[r0:r1] = p
         kl[r0:r1] = _kl(tau, p, massive, floor)

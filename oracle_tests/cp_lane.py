@@ -49,6 +49,11 @@ CASES = {
     "window": _case("cp-window", 0, 3),
     "csa_zigzag": _case("cp-csa-zigzag", 4, 4, _ZIGZAG),
     "csa_bf16": _case("cp-csa-bf16", 4, 5, dtype="bfloat16"),
+    # Documents shorter than the ratio: no complete compressed group anywhere (C = 0), so the
+    # indexer, Top-K and loss see empty key sets (a hypothesis-found corner of the CP plans).
+    "csa_no_groups": _case("cp-csa-no-groups", 4, 7, dict(cu_seqlens=(0, 1, 1, 3, 6),
+                                                          cu_seqlens_padded=(0, 2, 2, 5, 8),
+                                                          num_rows=32)),
     # DSv4-Flash head shapes at T = 1024 (GPU lane): the cp-2 boundary (row 512) lies inside
     # document 2, so the 128-row halo is used; an empty document and tail padding.
     "flash_1k": _case("cp-flash-1k", 4, 6, dict(cu_seqlens=(0, 300, 300, 800, 990),

@@ -29,7 +29,7 @@ from .impl_harness import TORCH_CPU, assert_checks, judge
 
 pytestmark = pytest.mark.xdist_group("cp_gloo")
 
-LAYER_JOBS = ("csa", "csa_zigzag", "hca", "window", "csa_bf16")
+LAYER_JOBS = ("csa", "csa_zigzag", "hca", "window", "csa_bf16", "csa_no_groups")
 INVALID = ("rows_on_one_rank", "layout_disagrees", "declared_cp", "halo_longer_than_slice",
            "rows_not_divisible", "kv_cmp_rows")
 

@@ -57,6 +57,12 @@ def _short_docs(c, x, o):
     assert bool((o["cmp_lengths"] < c.topk).any())
 
 
+def _no_groups(c, x, o):
+    assert c.C == 0, f"C = {c.C}: some document reaches a compressed group"
+    assert bool((o["cmp_lengths"] == 0).all()) and bool((o["cmp_ids"] < 0).all())
+    assert bool((o["lengths"] > 0).any()), "no row has a window key (control)"
+
+
 def _sink_only(c, x, o):
     empty = empty_rows(c, x, o)
     assert bool(empty.any()), "no sink-only row"
@@ -201,7 +207,8 @@ def _public(c, x, o):
 
 PREDICATES = {
     "padding": _padding, "empty_docs": _empty_docs, "capacity_rows": _capacity,
-    "short_docs": _short_docs, "sink_only_rows": _sink_only, "exact_ties": _exact_ties,
+    "short_docs": _short_docs, "no_groups": _no_groups, "sink_only_rows": _sink_only,
+    "exact_ties": _exact_ties,
     "signed_zeros": _signed_zeros, "near_ties": _near_ties, "hostile_ids": _hostile_ids,
     "all_invalid_rows": _all_invalid, "hostile_lengths": _hostile_lengths,
     "duplicate_ids": _duplicates, "sinks": _sinks, "nan_poison": _poison, "cp": _cp,

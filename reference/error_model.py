@@ -157,11 +157,18 @@ def _same_shape(t: torch.Tensor, name: str, shape) -> None:
 # Section 6: sparse attention with a sink
 # ---------------------------------------------------------------------------------------------
 
+def _rows_or_zeros(table: torch.Tensor) -> torch.Tensor:
+    """``table``, or one zero row when it has none (no key rows, or no compressed group: C = 0).
+    Every slot is invalid then, so the zero row is only the safe target of masked gathers (the
+    oracle's own convention, :mod:`reference.indexer_loss`)."""
+    return table if table.shape[0] else table.new_zeros((1,) + tuple(table.shape[1:]))
+
+
 def _gathered(q, kv, ids, valid, r0, r1, scale):
     """Per chunk: gathered keys, masked logits, masked magnitudes ``a = |scale| |q|.|k|``."""
     n, K, D = r1 - r0, ids.shape[1], kv.shape[1]
     safe = torch.where(valid[r0:r1], ids[r0:r1], torch.zeros_like(ids[r0:r1]))
-    kg = kv.index_select(0, safe.reshape(-1)).view(n, K, D)
+    kg = _rows_or_zeros(kv).index_select(0, safe.reshape(-1)).view(n, K, D)
     v = valid[r0:r1].unsqueeze(1)
     s = (scale * torch.bmm(q[r0:r1], kg.transpose(1, 2))).masked_fill(~v, -INF)
     a = (abs(scale) * torch.bmm(q[r0:r1].abs(), kg.abs().transpose(1, 2))).masked_fill(~v, 0.0)
@@ -435,7 +442,7 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
         mv = valid[r0:r1] & torch.isfinite(f).all(dim=1, keepdim=True)       # rows with mass
         mv3 = mv.unsqueeze(1)
         nv = mv.sum(dim=1, keepdim=True).to(F64)
-        kg = kc.index_select(0, safe[r0:r1].reshape(-1)).view(n, Kc, D)
+        kg = _rows_or_zeros(kc).index_select(0, safe[r0:r1].reshape(-1)).view(n, Kc, D)
         s = scale * torch.bmm(q[r0:r1], kg.transpose(1, 2))                  # [n, H, Kc]
         a = abs(scale) * torch.bmm(q[r0:r1].abs(), kg.abs().transpose(1, 2))
         f0 = _finite_or_zero(f).unsqueeze(-1)
@@ -452,7 +459,7 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
         e_tau = (e_tau + (u.a + u.s) * tau + u.es).clamp_max(1.0)
         e_tau = torch.where(mv, e_tau, torch.zeros_like(e_tau))
         p = p_all[r0:r1]
-        logits = torch.gather(scores[r0:r1], 1, safe[r0:r1])
+        logits = torch.gather(_rows_or_zeros(scores[r0:r1].t()).t(), 1, safe[r0:r1])
         e_p = torch.where(mv, (_softmax_rel(logits, mv, u) + u.s) * p + u.ea + u.es,
                           torch.zeros_like(p))
         tb, pb = tau.clamp_min(floor), p.clamp_min(floor)
@@ -524,7 +531,7 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
         v = valid[r0:r1]
         nv = v.sum(dim=1, keepdim=True).to(F64)                               # [n, 1]
         safe = torch.where(v, ids[r0:r1], torch.zeros_like(ids[r0:r1]))
-        kg = k.index_select(0, safe.reshape(-1)).view(n, Kc, DI)
+        kg = _rows_or_zeros(k).index_select(0, safe.reshape(-1)).view(n, Kc, DI)
         qc, wc = q[r0:r1], w[r0:r1]
         z = torch.bmm(qc, kg.transpose(1, 2))                                # [n, H_I, Kc]
         zeta = torch.bmm(qc.abs(), kg.abs().transpose(1, 2))
