@@ -1,11 +1,12 @@
-"""Split deterministic attention backward: a row pass, then L2-sized column-sliced planes
+"""Split deterministic attention backward: a row pass, then column-sliced fixed-order planes
 (contract section 6).
 
 Why: the one-kernel planes backward (:mod:`gpu_impl.kernels_triton`) adds every ``dkv``
 contribution into program-private float32 planes of the full head dim; with one program per SM
 those planes are ~345 MB at T=4096, far beyond the H200's 50 MB L2, so every contribution is an
-HBM read-modify-write (docs/CUDNN.md, "Performance miss"). Here the work is split in two passes
-so that the planes can be few and narrow:
+HBM read-modify-write, and each program's long chain of them runs latency-bound (docs/CUDNN.md,
+"Performance miss"). Here the work is split in two passes, so that the contributions are formed
+from stored ``P``/``dS`` by many small programs:
 
 1. :func:`row_pass` (``_row_kernel``): one program per query row (all heads), like the forward:
    gather the row's selected keys block by block, recompute ``S`` and ``dP``, form ``P`` and
@@ -17,10 +18,13 @@ so that the planes can be few and narrow:
    ``P``/``dS`` back, forms ``contrib = scale dS^T q_c + P^T dO_c`` and adds it into the
    group's private float32 plane (read-modify-write, no atomics; a CTA barrier separates
    rows; each slot's plane row is precomputed by :func:`plane_rows`, so the read-modify-write
-   waits on one index load, not on an id and a tile-table lookup). The column split gives
-   parallelism without more row groups, so the planes (groups x touched key tiles x 64 x D x 4
-   bytes) stay near L2 size. The ``n_c`` programs of a group are
-   adjacent in launch order and read the same ``P``/``dS`` at about the same time (L2 hits).
+   waits on one index load, not on an id and a tile-table lookup). The column split
+   multiplies the programs without multiplying the planes (groups x touched key tiles x 64 x D
+   x 4 bytes). Measured on the H200 (docs/PERFORMANCE.md), many groups win: the default, 8
+   programs per SM, keeps 303 MB of planes in HBM and runs at about the bandwidth floor of the
+   read-modify-write, while L2-sized planes (8-34 groups) are latency-bound and slower. The
+   ``n_c`` programs of a group are adjacent in launch order and read the same ``P``/``dS`` at
+   about the same time (L2 hits).
 3. :func:`gpu_impl.kernels_triton.fold_planes` sums each key tile over groups in group order.
 
 Every ``dkv`` element is therefore a fixed-order sum (row order inside a group, group order in

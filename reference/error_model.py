@@ -38,12 +38,13 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import as_float64, as_int, as_real, choice
+from ._checks import as_float64, as_real
 from ._checks import chunk_rows as rows_per_chunk
 from .attention import _inputs as _attention_inputs
 from .attention import valid_slots
 from .indexer import _inputs as _indexer_inputs
-from .indexer_loss import FLT_MIN, IndexerLoss, _loss_grad_inputs, _loss_inputs
+from .indexer_loss import (FLT_MIN, IndexerLoss, _loss_grad_inputs, _loss_grad_options,
+                           _loss_inputs)
 from .layout import PackedLayout
 
 __all__ = [
@@ -431,6 +432,7 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
     valid = (ids >= 0) & (ids < C) & layout.is_real.unsqueeze(1)
     safe = torch.where(valid, ids, torch.zeros_like(ids))
     full = torch.logaddexp(lse, sink.unsqueeze(0))
+    scores_z = scores if C else scores.new_zeros((T, 1))    # C = 0: every slot is invalid
     b_tau = torch.zeros((T, Kc), dtype=F64)
     b_p = torch.zeros((T, Kc), dtype=F64)
     b_kl = torch.zeros(T, dtype=F64)
@@ -459,7 +461,7 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
         e_tau = (e_tau + (u.a + u.s) * tau + u.es).clamp_max(1.0)
         e_tau = torch.where(mv, e_tau, torch.zeros_like(e_tau))
         p = p_all[r0:r1]
-        logits = torch.gather(_rows_or_zeros(scores[r0:r1].t()).t(), 1, safe[r0:r1])
+        logits = torch.gather(scores_z[r0:r1], 1, safe[r0:r1])
         e_p = torch.where(mv, (_softmax_rel(logits, mv, u) + u.s) * p + u.ea + u.es,
                           torch.zeros_like(p))
         tb, pb = tau.clamp_min(floor), p.clamp_min(floor)
@@ -509,13 +511,8 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
     _same_shape(dq, "dq_idx", (T, HI, DI))
     _same_shape(dw_, "dw", (T, HI))
     _same_shape(dk, "dk_idx", (C, DI))
-    coeff = as_real(coeff, "coeff")
-    n_real = as_int(num_real, "num_real", minimum=1)
-    grad_loss = as_real(grad_loss, "grad_loss")
-    scale = DI ** -0.5 if scale is None else as_real(scale, "scale")
-    e = as_real(grad_floor, "grad_floor", positive=True)
-    floor = as_real(loss_floor, "loss_floor", positive=True)
-    mode = choice(mode, "mode", ("clipped", "autograd"))
+    coeff, n_real, grad_loss, scale, e, floor, mode = _loss_grad_options(
+        coeff, num_real, grad_loss, scale, grad_floor, loss_floor, mode, DI)
     sc = abs(scale)
     gs = abs(coeff / n_real * grad_loss)
     valid = (ids >= 0) & (ids < C)

@@ -175,6 +175,18 @@ def _loss_grad_inputs(q_idx, k_idx, weights, compressed_ids, target, predict):
     return q, k, w, ids, tau, p_in
 
 
+def _loss_grad_options(coeff, num_real, grad_loss, scale, grad_floor, loss_floor, mode, DI):
+    """Section 8 gradient options, checked by name (shared with the section 12 bound):
+    ``(coeff, num_real, grad_loss, scale, grad_floor, loss_floor, mode)``, ``scale`` defaulting
+    to ``D_I^-1/2``."""
+    return (as_real(coeff, "coeff"), as_int(num_real, "num_real", minimum=1),
+            as_real(grad_loss, "grad_loss"),
+            DI ** -0.5 if scale is None else as_real(scale, "scale"),
+            as_real(grad_floor, "grad_floor", positive=True),
+            as_real(loss_floor, "loss_floor", positive=True),
+            choice(mode, "mode", ("clipped", "autograd")))
+
+
 def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, predict, *, coeff,
                              num_real, grad_loss=1.0, scale=None, grad_floor=math.exp(-100),
                              mode="clipped", loss_floor=FLT_MIN, chunk_rows=None):
@@ -194,13 +206,8 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
                                                 predict)
     T, HI, DI = q.shape
     C, Kc = k.shape[0], ids.shape[1]
-    coeff = as_real(coeff, "coeff")
-    n_real = as_int(num_real, "num_real", minimum=1)
-    grad_loss = as_real(grad_loss, "grad_loss")
-    scale = DI ** -0.5 if scale is None else as_real(scale, "scale")
-    e = as_real(grad_floor, "grad_floor", positive=True)
-    floor = as_real(loss_floor, "loss_floor", positive=True)
-    mode = choice(mode, "mode", ("clipped", "autograd"))
+    coeff, n_real, grad_loss, scale, e, floor, mode = _loss_grad_options(
+        coeff, num_real, grad_loss, scale, grad_floor, loss_floor, mode, DI)
     valid = _slot_mask(ids, C)
     gs = coeff / n_real * grad_loss
 
