@@ -34,6 +34,7 @@ __all__ = [
     "check_grad_mode_parity",
     "check_no_mutation",
     "TOPK_ORDERS",
+    "ill_conditioned",
 ]
 
 TOPK_ORDERS = ("id", "score")
@@ -120,6 +121,22 @@ def _nonfinite_code(x: torch.Tensor) -> torch.Tensor:
     code[x == math.inf] = 2
     code[x == -math.inf] = 3
     return code
+
+
+def ill_conditioned(expected, bound) -> torch.Tensor:
+    """Section 12, power: the elements a numeric check cannot judge.
+
+    An element is *ill-conditioned* when its bound is positive and reaches the magnitude of the
+    value it judges (``bound >= |expected|``, ``expected`` finite): any implementation value
+    between 0 and twice the expected one would pass there, so agreement on it proves nothing.
+    Such elements are reported as "not judged (ill-conditioned)" with a count, never counted as
+    a pass. A zero bound is an exact check and never ill-conditioned. Returns a bool tensor of
+    ``expected``'s shape on the CPU. This is the one copy of the rule: the comparison and the
+    power table both use it.
+    """
+    e64 = _cpu(_tensor(expected, "expected")).to(_F64)
+    b64 = torch.broadcast_to(_cpu(_tensor(bound, "bound")).to(_F64), e64.shape)
+    return torch.isfinite(e64) & (b64 > 0) & (b64 >= e64.abs())
 
 
 def compare_numeric(name: str, actual, expected, bound) -> CheckResult:
