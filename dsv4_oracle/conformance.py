@@ -35,6 +35,7 @@ import reference as R
 from reference import error_model as EM
 
 from .adapters import Adapter
+from .invoke import OpError, call_op, where
 from .compare import (CheckResult, compare_exact, compare_numeric, compare_topk, content_hash,
                       near_tie_rows)
 
@@ -74,15 +75,6 @@ FORWARD_OUTPUTS = ("scores", "cmp_ids", "cmp_lengths", "ids", "lengths", "out", 
                    "kl", "target", "predict")
 
 
-class OpError(RuntimeError):
-    """An adapter op raised or returned something that is not the protocol's result."""
-
-    def __init__(self, op: str, message: str):
-        super().__init__(f"{op}: {message}")
-        self.op = op
-        self.message = message
-
-
 class Run(NamedTuple):
     """One pipeline run: ``got`` the adapter's outputs (judged), ``consumed`` what each op was
     fed (the adapter's outputs, or the oracle's where the adapter lacks the op), ``backends``
@@ -101,18 +93,6 @@ def tensors_of(d: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 # running an adapter
 # ---------------------------------------------------------------------------------------------
-def _where(exc: BaseException) -> str:
-    tb = exc.__traceback__
-    last = None
-    while tb is not None:
-        last = tb
-        tb = tb.tb_next
-    if last is None:
-        return ""
-    code = last.tb_frame.f_code
-    return f" (at {code.co_filename.rsplit('/', 1)[-1]}:{last.tb_lineno} in {code.co_name})"
-
-
 def _fields(op: str, res, n: int) -> tuple:
     """The first ``n`` tensor fields of an op's result (a tensor when ``n == 1``, or a
     tuple/NamedTuple); anything else is an :class:`OpError`."""
@@ -128,12 +108,7 @@ def _fields(op: str, res, n: int) -> tuple:
 
 
 def _call(adapter: Adapter, backends: dict, op: str, n: int, *args, **kwargs) -> tuple:
-    try:
-        res = adapter.op(op)(*args, **kwargs)
-    except OpError:
-        raise
-    except Exception as exc:           # the implementation under test failed on this case
-        raise OpError(op, f"raised {type(exc).__name__}: {exc}{_where(exc)}") from exc
+    res = call_op(adapter.op(op), op, args, kwargs)
     b = getattr(res, "backend", None)
     backends[op] = b if isinstance(b, str) else adapter.name
     return _fields(op, res, n)
@@ -271,7 +246,7 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
                 grads.append(torch.ones_like(res.loss))
             torch.autograd.backward(roots, grads)
     except Exception as exc:
-        raise OpError(op, f"raised {type(exc).__name__}: {exc}{_where(exc)}") from exc
+        raise OpError(op, f"raised {type(exc).__name__}: {exc}{where(exc)}") from exc
     b = getattr(res, "backends", None)
     backends = dict(b) if isinstance(b, dict) else {op: adapter.name}
     try:
