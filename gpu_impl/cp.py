@@ -61,6 +61,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from reference.cp import cp_size
 from reference.layout import PackedLayout
 
 from . import api
@@ -131,7 +132,15 @@ def _group_owners(layout, cp, ratio):
 def cp_geometry(layout: PackedLayout, cp: int, rank: int, *, window: int, ratio: int) -> _Geometry:
     """The rank's rows, halo width, compressed capacity, group ownership and physical key
     layout ``[halo (D_win) | local (L) | gathered (cp*cap)]``; raises ``ValueError`` for an
-    invalid CP configuration."""
+    invalid CP configuration (``TypeError`` for arguments of the wrong type)."""
+    if not isinstance(layout, PackedLayout):
+        raise TypeError(f"layout must be a reference.PackedLayout, got {type(layout).__name__}")
+    cp = cp_size(cp)
+    rank = as_int(rank, "rank", minimum=0)
+    if rank >= cp:
+        raise ValueError(f"rank must be < cp={cp}, got {rank}")
+    window = as_int(window, "window", minimum=1)
+    ratio = as_int(ratio, "ratio", minimum=0)
     T = layout.num_rows
     if T % cp:
         raise ValueError(f"cp={cp} does not divide the {T} packed rows (contiguous partition)")
@@ -164,7 +173,7 @@ def owned_group_counts(layout: PackedLayout, cp: int, *, ratio: int) -> list:
     under the contiguous partition: the groups whose last token lies in its rows."""
     if not isinstance(layout, PackedLayout):
         raise TypeError(f"layout must be a reference.PackedLayout, got {type(layout).__name__}")
-    cp = as_int(cp, "cp", minimum=1)
+    cp = cp_size(cp)
     ratio = as_int(ratio, "ratio", minimum=0)
     if layout.num_rows % cp:
         raise ValueError(f"cp={cp} does not divide the {layout.num_rows} packed rows")
