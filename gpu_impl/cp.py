@@ -345,9 +345,10 @@ def _agree(comm, error, args):
     diffs = []
     for i, name in enumerate(_AGREED):
         o = 1 + _ERR_BYTES + i * _FIELD_BYTES
-        by_value: dict = {}
+        by_value: dict = {}                       # digest -> (summary, ranks holding it)
         for r, row in enumerate(rows):
-            by_value.setdefault(row[o:o + _DIGEST_BYTES], (row[o + _DIGEST_BYTES:o + _FIELD_BYTES], []))[1].append(r)
+            text = row[o + _DIGEST_BYTES:o + _FIELD_BYTES]
+            by_value.setdefault(row[o:o + _DIGEST_BYTES], (text, []))[1].append(r)
         if len(by_value) > 1:
             held = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: "
                              f"{_text(text)}" for text, rs in by_value.values())

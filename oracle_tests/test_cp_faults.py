@@ -4,8 +4,8 @@ contract section 10): gloo on the CPU, real processes, each test bounded by a de
 - A rank whose arguments differ from the others' (the sink values, a dtype, ``scale``,
   ``topk``, ...) or fail validation (a NaN, an infinity, a bad option) makes *every* rank raise
   the same kind of clear error, naming the argument and the ranks, before any data moves; the
-  group stays usable. (Without the agreement, differing sinks gave silently wrong rows,
-  differing indexer dtypes aborted a rank inside gloo and a NaN on one rank left the others
+  group stays usable. (Without the agreement, differing sinks give silently wrong rows,
+  differing indexer dtypes abort a rank inside gloo and a NaN on one rank leaves the others
   blocked until the process group's timeout.)
 - A fault no validation can see (a rank that never calls the layer, a kernel failing on one
   rank after the exchange) makes the waiting ranks raise ``TimeoutError`` after the layer's
