@@ -309,14 +309,15 @@ def _describe(name, x):
 
 
 def _payload(error, args):
-    """This rank's verdict and fingerprint as a fixed-size uint8 tensor (CPU)."""
+    """This rank's verdict and fingerprint as a fixed-size uint8 tensor (CPU); an argument
+    missing from ``args`` counts as ``None``."""
     buf = bytearray(1 + _ERR_BYTES + len(_AGREED) * _FIELD_BYTES)
     if error is not None:
         buf[0] = 2 if isinstance(error, TypeError) else 1
         msg = str(error).encode()[:_ERR_BYTES]
         buf[1:1 + len(msg)] = msg
     for i, name in enumerate(_AGREED):
-        text, raw = _describe(name, args[name])
+        text, raw = _describe(name, args.get(name))
         o = 1 + _ERR_BYTES + i * _FIELD_BYTES
         buf[o:o + _DIGEST_BYTES] = hashlib.blake2b(raw, digest_size=_DIGEST_BYTES).digest()
         t = text.encode()[:_TEXT_BYTES]
