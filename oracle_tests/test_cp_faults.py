@@ -17,7 +17,7 @@ import pytest
 
 from .cp_lane import FAULTS, fault_main, rank_main, spawn
 
-pytestmark = pytest.mark.xdist_group("cp_gloo")
+pytestmark = pytest.mark.xdist_group("cp_faults")
 
 # what -> (the argument the message must name, the error type every rank raises)
 EXPECTED = {
