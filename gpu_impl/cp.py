@@ -45,9 +45,9 @@ every argument the ranks must agree on (the layout; ``window``, ``ratio``, ``top
 a ``ValueError`` / ``TypeError`` naming the argument and the ranks on *every* rank before any
 data moves, and the group stays usable. Every collective of the layer (that exchange
 included) is bounded by ``timeout`` seconds (default :data:`DEFAULT_TIMEOUT_S`): a rank that
-fails later, never joins or dies makes the others raise ``TimeoutError`` (or the backend's
-error, e.g. a closed connection) within that time instead of blocking for the process
-group's own timeout; the group is then broken, as after any failed collective. With NCCL,
+fails later or never joins makes the others raise ``TimeoutError`` within that time instead
+of blocking for the process group's own timeout, and a rank whose process exits makes them
+raise ``RuntimeError`` at once; the group is then broken, as after any failed collective. With NCCL,
 set the CUDA device of each rank first, as usual; waiting with a timeout makes each of the
 layer's collectives a host synchronisation point.
 """
