@@ -85,7 +85,10 @@ def _rank(rank, world, cfg, out_dir):
 
     x = dict(q=rnd(L, s["H"], s["D"]), kv=rnd(L, s["D"]), kv_cmp=rnd(n_own, s["D"]),
              q_idx=rnd(L, s["HI"], s["DI"]), k_idx=rnd(n_own, s["DI"]),
-             weights=rnd(L, s["HI"]), sink=rnd(s["H"], dtype=torch.float32))
+             weights=rnd(L, s["HI"]))
+    # The sink is replicated: the same values on every rank (the layer checks it).
+    x["sink"] = torch.randn(s["H"], generator=torch.Generator(device=dev).manual_seed(1234),
+                            device=dev, dtype=torch.float32)
     dout = rnd(L, s["H"], s["Dv"])
     kw = dict(window=s["W"], ratio=s["ratio"], topk=s["topk"], coeff=0.01, v_dim=s["Dv"],
               backend=cfg["backend"], deterministic=cfg["deterministic"])
@@ -99,22 +102,25 @@ def _rank(rank, world, cfg, out_dir):
         return res.backends
 
     geo = CP.cp_geometry(lay, world, rank, window=s["W"], ratio=s["ratio"])
-    cfg_fp = dict(kw, window=s["W"])
+    comm = CP._Comm(None, CP.DEFAULT_TIMEOUT_S)
+    agreed = dict(kw, layout=lay, **x)
 
-    def comm_step():
-        CP._agree(None, None, CP._fingerprint(lay, x["q"], x["q_idx"], cfg_fp))
-        CP._shift_to_next(None, geo, x["kv"][L - geo.d_win:] if world > 1 else x["kv"][:0],
+    def comm_step():        # the layer's validation exchange and collectives, no compute
+        CP._check_values(rank, **x)
+        CP._agree(comm, None, agreed)
+        CP._shift_to_next(comm, geo, x["kv"][L - geo.d_win:] if world > 1 else x["kv"][:0],
                           x["kv"].new_zeros((geo.d_win, s["D"])))
-        CP._all_gather_rows(None, geo, x["kv_cmp"])
-        CP._all_gather_rows(None, geo, x["k_idx"])
-        CP._sum_over_ranks(None, geo, torch.zeros(1, device=dev), cfg["deterministic"])
-        CP._shift_to_previous(None, geo, x["kv"][:geo.d_win],
+        CP._all_gather_rows(comm, geo, x["kv_cmp"], "kv_cmp")
+        CP._all_gather_rows(comm, geo, x["k_idx"], "k_idx")
+        CP._sum_over_ranks(comm, geo, torch.zeros(1, device=dev), cfg["deterministic"], "loss")
+        CP._shift_to_previous(comm, geo, x["kv"][:geo.d_win],
                               x["kv"].new_zeros((geo.d_win, s["D"])))
-        CP._return_to_owners(None, geo, x["kv"].new_zeros((world * geo.cap, s["D"])), n_own,
-                             cfg["deterministic"])
-        CP._return_to_owners(None, geo, x["k_idx"].new_zeros((world * geo.cap, s["DI"])), n_own,
-                             cfg["deterministic"])
-        CP._sum_over_ranks(None, geo, torch.zeros(s["H"], device=dev), cfg["deterministic"])
+        CP._return_to_owners(comm, geo, x["kv"].new_zeros((world * geo.cap, s["D"])), n_own,
+                             cfg["deterministic"], "dkv_cmp")
+        CP._return_to_owners(comm, geo, x["k_idx"].new_zeros((world * geo.cap, s["DI"])), n_own,
+                             cfg["deterministic"], "dk_idx")
+        CP._sum_over_ranks(comm, geo, torch.zeros(s["H"], device=dev), cfg["deterministic"],
+                           "dsink")
 
     def timed(step, reps):
         times, info = [], None

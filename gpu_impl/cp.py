@@ -36,29 +36,43 @@ each rank's partial ``dkv`` / ``dk_idx`` in the tensor's dtype, so for bf16 inpu
 compressed-key gradients carry one extra bf16 rounding per partial before the CP sum (summed in
 float32 in rank order, rounded once): the same as Megatron's bf16 reduce-scatter.
 
-Invalid input (rows not divisible by ``cp``, a rank slice shorter than its halo, a process group
-of another size than ``cp``, wrong local shapes, ranks disagreeing on the layout or the
-configuration) raises on *every* rank before any data moves: each rank validates locally, then
-one small ``all_gather_object`` shares the verdicts and a fingerprint of the replicated
-configuration (with NCCL, set the CUDA device of each rank first, as usual).
+Invalid input fails fast on every rank. Each rank validates its arguments (types, shapes,
+dtypes, devices, the geometry, finite values: a NaN or an infinity in any input tensor, a NaN
+in ``sink``), then one fixed-size all-gather shares every rank's verdict and a fingerprint of
+every argument the ranks must agree on (the layout; ``window``, ``ratio``, ``topk``,
+``coeff``, ``scale``, ``index_scale``, ``v_dim``, ``cp`` and the policies; the values of
+``sink``; the dtypes and shapes of every tensor). Any local failure or any disagreement raises
+a ``ValueError`` / ``TypeError`` naming the argument and the ranks on *every* rank before any
+data moves, and the group stays usable. Every collective of the layer (that exchange
+included) is bounded by ``timeout`` seconds (default :data:`DEFAULT_TIMEOUT_S`): a rank that
+fails later or never joins makes the others raise ``TimeoutError`` within that time instead
+of blocking for the process group's own timeout, and a rank whose process exits makes them
+raise ``RuntimeError`` at once; the group is then broken, as after any failed collective. With NCCL,
+set the CUDA device of each rank first, as usual; waiting with a timeout makes each of the
+layer's collectives a host synchronisation point.
 """
 from __future__ import annotations
 
+import datetime
+import hashlib
 import math
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from reference.cp import cp_size
 from reference.layout import PackedLayout
 
 from . import api
 from .checks import as_bool, as_int, as_real, choice
 
-__all__ = ["CPLayerResult", "cp_csa_layer", "cp_geometry", "owned_group_counts"]
+__all__ = ["CPLayerResult", "DEFAULT_TIMEOUT_S", "cp_csa_layer", "cp_geometry",
+           "owned_group_counts"]
 
 F32 = torch.float32
 INF = math.inf
+DEFAULT_TIMEOUT_S = 60.0       # bound of each of the layer's collectives, seconds
 
 
 class CPLayerResult(NamedTuple):
@@ -118,7 +132,15 @@ def _group_owners(layout, cp, ratio):
 def cp_geometry(layout: PackedLayout, cp: int, rank: int, *, window: int, ratio: int) -> _Geometry:
     """The rank's rows, halo width, compressed capacity, group ownership and physical key
     layout ``[halo (D_win) | local (L) | gathered (cp*cap)]``; raises ``ValueError`` for an
-    invalid CP configuration."""
+    invalid CP configuration (``TypeError`` for arguments of the wrong type)."""
+    if not isinstance(layout, PackedLayout):
+        raise TypeError(f"layout must be a reference.PackedLayout, got {type(layout).__name__}")
+    cp = cp_size(cp)
+    rank = as_int(rank, "rank", minimum=0)
+    if rank >= cp:
+        raise ValueError(f"rank must be < cp={cp}, got {rank}")
+    window = as_int(window, "window", minimum=1)
+    ratio = as_int(ratio, "ratio", minimum=0)
     T = layout.num_rows
     if T % cp:
         raise ValueError(f"cp={cp} does not divide the {T} packed rows (contiguous partition)")
@@ -151,7 +173,7 @@ def owned_group_counts(layout: PackedLayout, cp: int, *, ratio: int) -> list:
     under the contiguous partition: the groups whose last token lies in its rows."""
     if not isinstance(layout, PackedLayout):
         raise TypeError(f"layout must be a reference.PackedLayout, got {type(layout).__name__}")
-    cp = as_int(cp, "cp", minimum=1)
+    cp = cp_size(cp)
     ratio = as_int(ratio, "ratio", minimum=0)
     if layout.num_rows % cp:
         raise ValueError(f"cp={cp} does not divide the {layout.num_rows} packed rows")
@@ -207,10 +229,14 @@ def _local_checks(q, kv, sink, layout, kv_cmp, q_idx, weights, k_idx, group, cp,
         if kv_cmp.dtype != q.dtype:
             raise TypeError(f"kv_cmp ({kv_cmp.dtype}) must have q's dtype ({q.dtype})")
     if all(indexer):
-        if ratio == 0:
-            raise ValueError("indexer inputs need a compressed layer")
         as_int(topk, "topk", minimum=0)
-        if q_idx.dim() != 3 or q_idx.shape[0] != geo.L:
+        for name, t, nd in (("q_idx", q_idx, 3), ("weights", weights, 2), ("k_idx", k_idx, 2)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != nd or not t.is_floating_point():
+                raise ValueError(f"{name} must be a {nd}-d float tensor, got {t.dtype} "
+                                 f"{tuple(t.shape)}")
+        if q_idx.shape[0] != geo.L:
             raise ValueError(f"q_idx must have shape ({geo.L}, H_I, D_I), got {tuple(q_idx.shape)}")
         HI, DI = q_idx.shape[1:]
         if tuple(weights.shape) != (geo.L, HI):
@@ -227,120 +253,264 @@ def _local_checks(q, kv, sink, layout, kv_cmp, q_idx, weights, k_idx, group, cp,
     backend_name = dist.get_backend(group)
     if backend_name == "nccl" and dev.type != "cuda":
         raise ValueError(f"an NCCL process group needs CUDA tensors, got {dev}")
+    _check_values(rank, q=q, kv=kv, sink=sink, kv_cmp=kv_cmp, q_idx=q_idx, weights=weights,
+                  k_idx=k_idx)
     return geo
 
 
-def _fingerprint(layout, q, q_idx, cfg):
-    """What every rank must agree on: the replicated layout and configuration, and the
-    per-row shapes and dtype of the inputs."""
-    fp = {"layout": (tuple(layout.cu_seqlens.tolist()), tuple(layout.cu_seqlens_padded.tolist()),
-                     layout.num_rows) if isinstance(layout, PackedLayout) else repr(layout)}
-    if isinstance(q, torch.Tensor):
-        fp.update(q_heads_dim=tuple(q.shape[1:]), dtype=str(q.dtype))
-    if isinstance(q_idx, torch.Tensor):
-        fp["q_idx_heads_dim"] = tuple(q_idx.shape[1:])
-    fp.update((k, repr(v)) for k, v in cfg.items())
-    return fp
+def _check_values(rank, **named):
+    """Every input tensor finite, except ``sink``: no NaN (``-inf`` is "no sink"). One
+    reduction per tensor and a single host synchronisation."""
+    named = {k: t for k, t in named.items() if t is not None and t.numel()}
+    bad = [(torch.isnan(t) if k == "sink" else ~torch.isfinite(t)).any() for k, t in named.items()]
+    if not bad or not bool(torch.stack(bad).any()):
+        return
+    for (name, t), b in zip(named.items(), torch.stack(bad).tolist()):
+        if b:
+            what = "NaN" if name == "sink" else "NaN or infinite value"
+            mask = torch.isnan(t) if name == "sink" else ~torch.isfinite(t)
+            where = tuple(torch.nonzero(mask)[0].tolist())
+            raise ValueError(f"{name} holds a {what} on rank {rank} (element {where} = "
+                             f"{t[where].item()}); the CP layer takes finite inputs"
+                             + (" (a sink may be +-inf)" if name == "sink" else ""))
 
 
-def _agree(group, error, fingerprint):
-    """Share every rank's verdict; raise the same kind of error on every rank if any failed."""
-    mine = None if error is None else (type(error).__name__, str(error))
-    verdicts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(verdicts, (mine, fingerprint), group=group)
+# What every rank must agree on, in a fixed order (the fields of the fingerprint).
+_AGREED = ("layout", "window", "ratio", "topk", "coeff", "scale", "index_scale", "v_dim", "order",
+           "align", "grad_mode", "backend", "deterministic", "reduce_sink", "cp", "sink", "q",
+           "kv", "kv_cmp", "q_idx", "weights", "k_idx")
+_OWNED = ("kv_cmp", "k_idx")     # rows differ per rank (owned groups): only the row shape agrees
+_ERR_BYTES = 480                 # a failing rank's message, truncated
+_TEXT_BYTES = 48                 # a field's printable summary, truncated
+_DIGEST_BYTES = 8
+_FIELD_BYTES = _DIGEST_BYTES + _TEXT_BYTES
+_ERROR_KINDS = {0: None, 1: ValueError, 2: TypeError}
+
+
+def _describe(name, x):
+    """(summary text, bytes to digest) of one agreed argument; never raises."""
+    try:
+        if name == "layout" and isinstance(x, PackedLayout):
+            cu, pad = x.cu_seqlens.tolist(), x.cu_seqlens_padded.tolist()
+            return (f"T={x.num_rows} cu_seqlens={cu} padded={pad}",
+                    repr((cu, pad, x.num_rows)).encode())
+        if isinstance(x, torch.Tensor):
+            shape = ("*",) + tuple(x.shape[1:]) if name in _OWNED else tuple(x.shape)
+            meta = f"{str(x.dtype).replace('torch.', '')} {shape} on {x.device.type}"
+            if name != "sink":
+                return meta, meta.encode()
+            vals = x.detach().to("cpu", copy=True).contiguous()
+            return (f"{vals.tolist()} ({meta})",
+                    meta.encode() + vals.view(torch.uint8).numpy().tobytes()
+                    if vals.numel() else meta.encode())
+        return repr(x), (type(x).__name__ + repr(x)).encode()
+    except Exception as exc:  # an unreadable argument is reported by the local checks
+        return f"<unreadable: {type(exc).__name__}>", b"<unreadable>"
+
+
+def _payload(error, args):
+    """This rank's verdict and fingerprint as a fixed-size uint8 tensor (CPU); an argument
+    missing from ``args`` counts as ``None``."""
+    buf = bytearray(1 + _ERR_BYTES + len(_AGREED) * _FIELD_BYTES)
     if error is not None:
-        raise error
-    for r, (err, _) in enumerate(verdicts):
-        if err is not None:
-            kind = TypeError if err[0] == "TypeError" else ValueError
-            raise kind(f"invalid CP input on rank {r} of the group: {err[1]}")
-    prints = [fp for _, fp in verdicts]
-    for r, fp in enumerate(prints):
-        diff = sorted(k for k in set(fp) | set(prints[0]) if fp.get(k) != prints[0].get(k))
-        if diff:
-            raise ValueError(f"CP ranks disagree on {', '.join(diff)}: rank 0 has "
-                             f"{[prints[0].get(k) for k in diff]}, rank {r} has "
-                             f"{[fp.get(k) for k in diff]}")
+        buf[0] = 2 if isinstance(error, TypeError) else 1
+        msg = str(error).encode()[:_ERR_BYTES]
+        buf[1:1 + len(msg)] = msg
+    for i, name in enumerate(_AGREED):
+        text, raw = _describe(name, args.get(name))
+        o = 1 + _ERR_BYTES + i * _FIELD_BYTES
+        buf[o:o + _DIGEST_BYTES] = hashlib.blake2b(raw, digest_size=_DIGEST_BYTES).digest()
+        t = text.encode()[:_TEXT_BYTES]
+        buf[o + _DIGEST_BYTES:o + _DIGEST_BYTES + len(t)] = t
+    return torch.frombuffer(buf, dtype=torch.uint8).clone()
+
+
+def _text(b: bytes) -> str:
+    return b.rstrip(b"\0").decode("utf-8", "replace")
+
+
+def _agree(comm, error, args):
+    """Share every rank's verdict and fingerprint (one fixed-size all-gather, bounded by the
+    timeout); raise the same kind of error on every rank if any rank failed or the ranks
+    disagree on an argument."""
+    mine = _payload(error, args)
+    every = comm.all_gather(mine.to(comm.exchange_device), "the validation exchange")
+    rows = [bytes(r) for r in every.view(comm.size, -1).cpu().tolist()]
+    if error is not None:        # this rank's own error, full text, with the rank named
+        raise type(error)(f"invalid CP input on rank {comm.rank} of the group: {error}") \
+            from error
+    for r, row in enumerate(rows):
+        kind = _ERROR_KINDS.get(row[0], ValueError)
+        if kind is not None:
+            raise kind(f"invalid CP input on rank {r} of the group: {_text(row[1:1 + _ERR_BYTES])}")
+    diffs = []
+    for i, name in enumerate(_AGREED):
+        o = 1 + _ERR_BYTES + i * _FIELD_BYTES
+        by_value: dict = {}                       # digest -> (summary, ranks holding it)
+        for r, row in enumerate(rows):
+            text = row[o + _DIGEST_BYTES:o + _FIELD_BYTES]
+            by_value.setdefault(row[o:o + _DIGEST_BYTES], (text, []))[1].append(r)
+        if len(by_value) > 1:
+            held = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: "
+                             f"{_text(text)}" for text, rs in by_value.values())
+            diffs.append((name, held))
+    if diffs:
+        raise ValueError("CP ranks disagree on " + ", ".join(n for n, _ in diffs) + " ("
+                         + "), (".join(f"{n} on {held}" for n, held in diffs) + "); every rank "
+                         "must pass the same value")
 
 
 # --------------------------------------------------------------------------------------------
-# collectives
+# collectives, each bounded by the timeout
 # --------------------------------------------------------------------------------------------
+def _options(cls, timeout):
+    from torch._C import _distributed_c10d as c10d
+    opts = getattr(c10d, cls)()
+    opts.timeout = timeout
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = False
+    return opts
+
+
+class _Comm:
+    """The layer's collectives on one CP group; every one waits at most ``timeout_s`` seconds
+    (the collective's own timeout option and a bounded wait), then raises ``TimeoutError``; a
+    collective that fails otherwise (a peer's connection closed) raises ``RuntimeError``. Both
+    name the collective and the rank."""
+
+    def __init__(self, group, timeout_s):
+        self.group = group
+        self.pg = group if group is not None else dist.group.WORLD
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.timeout_s = timeout_s
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        nccl = dist.get_backend(group) == "nccl"
+        self.exchange_device = (torch.device("cuda", torch.cuda.current_device()) if nccl
+                                else torch.device("cpu"))
+
+    def _wait(self, works, what):
+        try:
+            for w in works if isinstance(works, (list, tuple)) else [works]:
+                if w is not None:
+                    w.wait(self.timeout)
+        except RuntimeError as exc:
+            msg = str(exc)
+            if "imed out" in msg or "timeout" in msg.lower():
+                raise TimeoutError(
+                    f"cp_csa_layer: {what} did not complete within {self.timeout_s:g} s on rank "
+                    f"{self.rank} of the CP group (another rank failed, never joined or is "
+                    f"stuck; the group is no longer usable): {msg.splitlines()[0]}") from None
+            raise RuntimeError(
+                f"cp_csa_layer: {what} failed on rank {self.rank} of the CP group (another "
+                f"rank failed or exited; the group is no longer usable): "
+                f"{msg.splitlines()[0] if msg else type(exc).__name__}") from None
+
+    def _call(self, names, *args):
+        for n in names:
+            fn = getattr(self.pg, n, None)
+            if fn is not None:
+                return fn(*args)
+        raise RuntimeError(f"this torch.distributed has none of {names}")
+
+    def all_gather(self, x, what):
+        """Rank-major concatenation of every rank's ``x`` (same shape everywhere)."""
+        x = x.contiguous()
+        out = x.new_empty((self.size * x.shape[0],) + tuple(x.shape[1:]))
+        self._wait(self._call(("all_gather_single", "_allgather_base"), out, x,
+                              _options("AllgatherOptions", self.timeout)), what)
+        return out
+
+    def all_to_all(self, x, what):
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self._wait(self._call(("all_to_all_single", "alltoall_base"), out, x, [], [],
+                              _options("AllToAllOptions", self.timeout)), what)
+        return out
+
+    def reduce_scatter(self, x, what):
+        """Sum over ranks of ``x [cp*n, ...]``, this rank's ``n`` rows."""
+        x = x.contiguous()
+        out = x.new_empty((x.shape[0] // self.size,) + tuple(x.shape[1:]))
+        opts = _options("ReduceScatterOptions", self.timeout)
+        opts.reduceOp = dist.ReduceOp.SUM
+        self._wait(self._call(("reduce_scatter_single", "_reduce_scatter_base"), out, x, opts),
+                   what)
+        return out
+
+    def all_reduce(self, x, what):
+        y = x.clone()
+        opts = _options("AllreduceOptions", self.timeout)
+        opts.reduceOp = dist.ReduceOp.SUM
+        self._wait(self.pg.allreduce([y], opts), what)
+        return y
+
+    def shift(self, send, send_to, out, recv_from, what):
+        """Point to point: ``send`` to group rank ``send_to`` and ``out`` from ``recv_from``
+        (either may be ``None``)."""
+        ops = []
+        if send_to is not None:
+            ops.append(dist.P2POp(dist.isend, send.contiguous(),
+                                  _global_rank(self.group, send_to), self.group))
+        if recv_from is not None:
+            ops.append(dist.P2POp(dist.irecv, out, _global_rank(self.group, recv_from),
+                                  self.group))
+        if ops:
+            self._wait(dist.batch_isend_irecv(ops), what)
+        return out
+
+
 def _global_rank(group, r):
     return r if group is None else dist.get_global_rank(group, r)
 
 
-def _shift_to_next(group, geo, tail, out):
+def _shift_to_next(comm, geo, tail, out):
     """Point to point: rank r sends ``tail`` to r+1 and receives ``out`` from r-1 (rank 0
     keeps ``out`` as given)."""
-    ops = []
-    if geo.rank + 1 < geo.cp:
-        ops.append(dist.P2POp(dist.isend, tail.contiguous(), _global_rank(group, geo.rank + 1), group))
-    if geo.rank > 0:
-        ops.append(dist.P2POp(dist.irecv, out, _global_rank(group, geo.rank - 1), group))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-    return out
+    return comm.shift(tail, geo.rank + 1 if geo.rank + 1 < geo.cp else None, out,
+                      geo.rank - 1 if geo.rank > 0 else None, "the halo exchange")
 
 
-def _shift_to_previous(group, geo, head, out):
+def _shift_to_previous(comm, geo, head, out):
     """Point to point: rank r sends ``head`` to r-1 and receives ``out`` from r+1."""
-    ops = []
-    if geo.rank > 0:
-        ops.append(dist.P2POp(dist.isend, head.contiguous(), _global_rank(group, geo.rank - 1), group))
-    if geo.rank + 1 < geo.cp:
-        ops.append(dist.P2POp(dist.irecv, out, _global_rank(group, geo.rank + 1), group))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-    return out
+    return comm.shift(head, geo.rank - 1 if geo.rank > 0 else None, out,
+                      geo.rank + 1 if geo.rank + 1 < geo.cp else None,
+                      "the halo gradient exchange")
 
 
-def _all_gather_rows(group, geo, x):
+def _all_gather_rows(comm, geo, x, what):
     """Pad the rank's owned rows to ``cap`` and all-gather them rank-major: ``[cp*cap, d]``."""
     buf = x.new_zeros((geo.cap, x.shape[1]))
     buf[:x.shape[0]] = x
-    out = x.new_empty((geo.cp * geo.cap, x.shape[1]))
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, buf, group=group)
-    return out
+    return comm.all_gather(buf, what)
 
 
-def _return_to_owners(group, geo, partial, n_own, deterministic):
+def _return_to_owners(comm, geo, partial, n_own, deterministic, what):
     """Gradients of a gathered buffer ``[cp*cap, d]`` back to their owners: the sum over ranks
     of each owner's slice, as ``[n_own, d]`` float32 (deterministic: all_to_all + fold in rank
     order; otherwise reduce-scatter)."""
     d = partial.shape[1]
     if deterministic:
-        recv = torch.empty_like(partial)
-        dist.all_to_all_single(recv, partial.contiguous(), group=group)
+        recv = comm.all_to_all(partial, what)
         parts = recv.view(geo.cp, geo.cap, d).to(F32)
         acc = parts[0].clone()
         for r in range(1, geo.cp):
             acc += parts[r]
         return acc[:n_own]
-    out = partial.new_empty((geo.cap, d))
-    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    rs(out, partial.contiguous(), group=group)
-    return out[:n_own].to(F32)
+    return comm.reduce_scatter(partial, what)[:n_own].to(F32)
 
 
-def _sum_over_ranks(group, geo, x, deterministic):
+def _sum_over_ranks(comm, geo, x, deterministic, what):
     """``sum_r x_r`` (float32), identical on every rank: all-gather + fold in rank order, or
     all-reduce."""
     x = x.to(F32).contiguous()
     if deterministic:
-        out = x.new_empty((geo.cp,) + tuple(x.shape))
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out.view(-1), x.view(-1), group=group)
+        out = comm.all_gather(x.reshape(1, -1), what).view((geo.cp,) + tuple(x.shape))
         acc = out[0].clone()
         for r in range(1, geo.cp):
             acc += out[r]
         return acc
-    y = x.clone()
-    dist.all_reduce(y, group=group)
-    return y
+    return comm.all_reduce(x, what)
 
 
 # --------------------------------------------------------------------------------------------
@@ -467,22 +637,22 @@ class _CPLayerFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, kv, sink, kv_cmp, q_idx, weights, k_idx, st):
-        geo, group, cfg = st["geo"], st["group"], st["cfg"]
+        geo, comm, cfg = st["geo"], st["comm"], st["cfg"]
         layout, dev = st["layout"], q.device
         det, be = cfg["deterministic"], cfg["backend"]
         ran = st["ran"]
         # Halo exchange and all-gathers (data movement only).
-        halo = _shift_to_next(group, geo, kv[geo.L - geo.d_win:] if geo.cp > 1 else kv[:0],
+        halo = _shift_to_next(comm, geo, kv[geo.L - geo.d_win:] if geo.cp > 1 else kv[:0],
                               kv.new_zeros((geo.d_win, kv.shape[1])))
         parts = [halo, kv]
         g_kv = g_k = None
         if geo.ratio > 0:
-            g_kv = _all_gather_rows(group, geo, kv_cmp)
+            g_kv = _all_gather_rows(comm, geo, kv_cmp, "the all-gather of kv_cmp")
             parts.append(g_kv)
         keys = torch.cat(parts, dim=0)
         scores = slots = None
         if k_idx is not None:
-            g_k = _all_gather_rows(group, geo, k_idx)
+            g_k = _all_gather_rows(comm, geo, k_idx, "the all-gather of k_idx")
             scores = _indexer_scores_local(layout, geo, q_idx, weights, g_k, cfg["index_scale"],
                                            cfg["chunk"])
             top = api.stable_topk(scores, cfg["topk"], order=cfg["order"], align=cfg["align"],
@@ -506,7 +676,8 @@ class _CPLayerFn(torch.autograd.Function):
                                           deterministic=det)
             ran["sparse_indexer_loss"] = res.backend
             kl, target, predict = res.kl, res.target, res.predict
-            loss = _sum_over_ranks(group, geo, res.loss.reshape(1), det).reshape(())
+            loss = _sum_over_ranks(comm, geo, res.loss.reshape(1), det,
+                                   "the loss reduction").reshape(())
         ctx.save_for_backward(q, keys, sink, ids, lengths, out, lse, q_idx, weights, g_k, slots,
                               target, predict)
         ctx.st = st
@@ -522,7 +693,7 @@ class _CPLayerFn(torch.autograd.Function):
         (q, keys, sink, ids, lengths, out, lse, q_idx, weights, g_k, slots, target,
          predict) = ctx.saved_tensors
         st = ctx.st
-        geo, group, cfg = st["geo"], st["group"], st["cfg"]
+        geo, comm, cfg = st["geo"], st["comm"], st["cfg"]
         det, be = cfg["deterministic"], cfg["backend"]
         rank = geo.rank
         n_own = geo.first_group[rank + 1] - geo.first_group[rank]
@@ -536,7 +707,7 @@ class _CPLayerFn(torch.autograd.Function):
         dkeys = bwd.dkv
         c0 = geo.d_win + geo.L
         # Halo rows: back to the previous rank, added after the owner's own contribution.
-        recv = _shift_to_previous(group, geo, dkeys[:geo.d_win],
+        recv = _shift_to_previous(comm, geo, dkeys[:geo.d_win],
                                   dkeys.new_zeros((geo.d_win, dkeys.shape[1])))
         dkv = dkeys[geo.d_win:c0].to(F32)
         if geo.cp > 1:
@@ -544,10 +715,11 @@ class _CPLayerFn(torch.autograd.Function):
         dkv = dkv.to(ctx.kv_dtype)
         dkv_cmp = None
         if geo.ratio > 0:
-            dkv_cmp = _return_to_owners(group, geo, dkeys[c0:], n_own, det).to(ctx.cmp_dtype)
+            dkv_cmp = _return_to_owners(comm, geo, dkeys[c0:], n_own, det,
+                                        "the kv_cmp gradient exchange").to(ctx.cmp_dtype)
         dsink = bwd.dsink
         if cfg["reduce_sink"]:
-            dsink = _sum_over_ranks(group, geo, dsink, det)
+            dsink = _sum_over_ranks(comm, geo, dsink, det, "the sink gradient reduction")
         dsink = dsink.to(sink.dtype)
         dq_idx = dw = dk_idx = None
         if g_k is not None:
@@ -557,7 +729,8 @@ class _CPLayerFn(torch.autograd.Function):
                 scale=cfg["index_scale"], mode=cfg["grad_mode"], backend=be, deterministic=det)
             dq_idx, dw = g.dq_idx, g.dw
             st["ran"]["sparse_indexer_loss_grad"] = g.backend
-            dk_idx = _return_to_owners(group, geo, g.dk_idx, n_own, det).to(ctx.k_dtype)
+            dk_idx = _return_to_owners(comm, geo, g.dk_idx, n_own, det,
+                                       "the k_idx gradient exchange").to(ctx.k_dtype)
         return bwd.dq, dkv, dsink, dkv_cmp, dq_idx, dw, dk_idx, None
 
 
@@ -565,7 +738,7 @@ def cp_csa_layer(q, kv, sink, layout, *, window, ratio, group=None, cp=None, kv_
                  q_idx=None, k_idx=None, weights=None, topk=None, coeff=0.0, scale=None,
                  index_scale=None, v_dim=None, order="id", align=None, grad_mode="clipped",
                  backend="auto", deterministic=True, reduce_sink=True,
-                 chunk_elements=1 << 24) -> CPLayerResult:
+                 chunk_elements=1 << 24, timeout=DEFAULT_TIMEOUT_S) -> CPLayerResult:
     """One packed DSv4 attention layer on this rank of the CP ``group`` (default: the world).
 
     Local inputs as in the module docstring; ``layout`` is the global
@@ -576,8 +749,9 @@ def cp_csa_layer(q, kv, sink, layout, *, window, ratio, group=None, cp=None, kv_
     (``"auto"``, ``"torch"``, ``"cudnn"``). ``reduce_sink=False`` returns each rank's partial
     sink gradient instead of the CP sum (for a trainer that reduces parameter gradients over
     the data x context parallel group itself, as Megatron's DDP does: then do not also reduce
-    here). Every rank of the group must call this with the same layout and configuration, and
-    must run the backward if any rank does.
+    here). ``timeout`` (seconds, > 0) bounds each of the layer's collectives, forward and
+    backward. Every rank of the group must call this with the same layout and configuration
+    (checked: a difference raises on every rank), and must run the backward if any rank does.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("cp_csa_layer needs an initialised torch.distributed process group")
@@ -587,21 +761,38 @@ def cp_csa_layer(q, kv, sink, layout, *, window, ratio, group=None, cp=None, kv_
                reduce_sink=reduce_sink)
     error, geo = None, None
     try:
+        # The exchange below must be bounded even when this rank's timeout is unusable.
+        timeout_s = DEFAULT_TIMEOUT_S
+        timeout_s = as_real(timeout, "timeout", positive=True)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    comm = _Comm(group, timeout_s)
+    try:
+        if error is not None:
+            raise error
         choice(order, "order", ("id", "score"))
         choice(grad_mode, "grad_mode", ("clipped", "autograd"))
         choice(backend, "backend", api.BACKENDS)
         as_bool(deterministic, "deterministic")
         as_bool(reduce_sink, "reduce_sink")
+        chunk = as_int(chunk_elements, "chunk_elements", minimum=1)
+        for name, x in (("scale", scale), ("index_scale", index_scale)):
+            if x is not None:
+                as_real(x, name, positive=True)
+        if v_dim is not None:
+            as_int(v_dim, "v_dim", minimum=1)
+        if align is not None:
+            as_int(align, "align", minimum=1)
         geo = _local_checks(q, kv, sink, layout, kv_cmp, q_idx, weights, k_idx, group, cp,
                             window, ratio, topk, coeff)
     except (TypeError, ValueError) as exc:
         error = exc
-    _agree(group, error, _fingerprint(layout, q, q_idx, cfg))
+    _agree(comm, error, dict(cfg, layout=layout, cp=cp, sink=sink, q=q, kv=kv, kv_cmp=kv_cmp,
+                             q_idx=q_idx, weights=weights, k_idx=k_idx))
 
-    cfg.update(num_real=max(1, layout.num_real), chunk=as_int(chunk_elements, "chunk_elements",
-                                                               minimum=1))
+    cfg.update(num_real=max(1, layout.num_real), chunk=chunk)
     ran: dict = {}
-    st = dict(geo=geo, group=group, cfg=cfg, layout=layout, ran=ran,
+    st = dict(geo=geo, comm=comm, cfg=cfg, layout=layout, ran=ran,
               local_layout=_local_layout(layout, geo) if q_idx is not None else None)
     out, lse, loss = _CPLayerFn.apply(q, kv, sink, kv_cmp, q_idx, weights, k_idx, st)
     aux = st.pop("aux")

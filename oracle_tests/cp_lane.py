@@ -10,6 +10,7 @@ owned by one rank and selected by another.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import pickle
 import tempfile
@@ -233,13 +234,14 @@ def run_layer(case: Case, loc, *, dtype_backward=True, deterministic=True, backe
     leaves = {k: loc[k].detach().clone().requires_grad_(True)
               for k in ("q", "kv", "sink", "kv_cmp", "q_idx", "weights", "k_idx") if k in loc}
     csa = "q_idx" in loc
-    res = cp_csa_layer(leaves["q"], leaves["kv"], leaves["sink"],
-                       layout or case.layout(), window=window or case.window, ratio=case.ratio,
-                       kv_cmp=leaves.get("kv_cmp"), q_idx=leaves.get("q_idx"),
-                       k_idx=leaves.get("k_idx"), weights=leaves.get("weights"),
-                       topk=case.topk if csa else None, coeff=case.coeff if csa else 0.0,
-                       v_dim=case.v_dim, backend=backend, deterministic=deterministic,
-                       **overrides)
+    kwargs = dict(window=window or case.window, ratio=case.ratio,
+                  kv_cmp=leaves.get("kv_cmp"), q_idx=leaves.get("q_idx"),
+                  k_idx=leaves.get("k_idx"), weights=leaves.get("weights"),
+                  topk=case.topk if csa else None, coeff=case.coeff if csa else 0.0,
+                  v_dim=case.v_dim, backend=backend, deterministic=deterministic)
+    kwargs.update(overrides)
+    res = cp_csa_layer(leaves["q"], leaves["kv"], leaves["sink"], layout or case.layout(),
+                       **kwargs)
     out = {f: getattr(res, f) for f in ("out", "lse", "ids", "lengths", "compressed_ids", "kl",
                                          "target", "predict", "index_scores", "key_ids")}
     out["loss"] = res.loss
@@ -311,6 +313,8 @@ def rank_main(rank, world, jobs):
                                                   lay.num_rows + 1)
             elif what == "kv_cmp_rows" and rank == 0:
                 bad["kv_cmp"] = loc["kv_cmp"][:-1]
+            elif rank == world - 1:
+                bad, kwargs = _fault_on_last_rank(what, loc, kwargs)
             try:
                 run_layer(case, bad, backend=backend, **kwargs)
                 results[name] = None
@@ -321,6 +325,72 @@ def rank_main(rank, world, jobs):
             dist.all_reduce(t)
             assert int(t) == world
     return results
+
+
+# Faults of one rank (the last) that every rank must turn into the same clear error before any
+# data moves: what -> how the last rank's call differs from the others'.
+FAULTS = {
+    "sink_differs": lambda loc: (dict(loc, sink=loc["sink"] + 0.125), {}),
+    "indexer_dtype_differs": lambda loc: (dict(loc, **{k: loc[k].double() for k in
+                                                       ("q_idx", "weights", "k_idx")}), {}),
+    "dtype_differs": lambda loc: ({k: (v.double() if v.is_floating_point() else v)
+                                  for k, v in loc.items()}, {}),
+    "nan_q": lambda loc: (dict(loc, q=_poison(loc["q"], math.nan)), {}),
+    "nan_q_idx": lambda loc: (dict(loc, q_idx=_poison(loc["q_idx"], math.nan)), {}),
+    "inf_k_idx": lambda loc: (dict(loc, k_idx=_poison(loc["k_idx"], math.inf)), {}),
+    "nan_sink": lambda loc: (dict(loc, sink=_poison(loc["sink"], math.nan)), {}),
+    "scale_differs": lambda loc: (loc, dict(scale=0.25)),
+    "topk_differs": lambda loc: (loc, dict(topk=2)),
+    "coeff_differs": lambda loc: (loc, dict(coeff=0.5)),
+    "v_dim_differs": lambda loc: (loc, dict(v_dim=4)),
+    "window_differs": lambda loc: (loc, dict(window=5)),
+    "order_differs": lambda loc: (loc, dict(order="score")),
+    "deterministic_differs": lambda loc: (loc, dict(deterministic=False)),
+    "bad_timeout": lambda loc: (loc, dict(timeout=-1.0)),
+    "bad_chunk": lambda loc: (loc, dict(chunk_elements=0)),
+}
+
+
+def _poison(x, value):
+    y = x.clone()
+    y.view(-1)[y.numel() // 2] = value
+    return y
+
+
+def _fault_on_last_rank(what, loc, kwargs):
+    if what not in FAULTS:
+        return loc, kwargs
+    bad, extra = FAULTS[what](dict(loc))
+    return bad, dict(kwargs, **extra)
+
+
+def fault_main(rank, world, what, timeout):
+    """A fault that no agreement can catch, with the layer's collectives bounded by
+    ``timeout``: ``never_joins`` (the last rank never calls the layer), ``fails_later`` (the
+    last rank's attention kernel fails after the validation exchange, while the others go on
+    to the next collective; the failed rank's process stays alive) or ``fails_and_exits`` (the
+    same, and the failed rank's process leaves the group at once). Returns
+    ``(exception type, message)`` or ``None``."""
+    import time
+
+    from gpu_impl import api
+    case = CASES["csa"]
+    loc = local_inputs(case, make_inputs(case), world, rank)
+    if rank == world - 1:
+        if what == "never_joins":
+            time.sleep(timeout + 3)
+            return None
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("simulated kernel failure")
+        api.sparse_attention_forward = broken        # this process only (a forked rank)
+    try:
+        run_layer(case, loc, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - the test judges the type and message
+        if rank == world - 1 and what == "fails_later":
+            time.sleep(timeout + 3)
+        return type(exc).__name__, str(exc)
+    return None
 
 
 def lay_rows(case):

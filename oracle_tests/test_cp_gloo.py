@@ -1,5 +1,5 @@
 """The CP layer (``gpu_impl/cp.py``) on real ``torch.distributed`` process groups: gloo on the
-CPU, cp 2 and 4, the portable torch backend (contract sections 10 and 11; issue 5).
+CPU, cp 2 and 4, the portable torch backend (contract sections 10 and 11).
 
 One spawn per CP size runs every job on fresh processes (``cp_lane.rank_main``); the tests
 below judge what the ranks returned:

@@ -6,7 +6,22 @@ import torch
 from ._checks import as_int, choice
 from .layout import PackedLayout
 
-__all__ = ["cp_partition"]
+__all__ = ["MAX_CP", "cp_partition", "cp_size"]
+
+# The largest CP group size accepted (section 10): far above any CP group in use, and small
+# enough that the per-rank lists and plans (O(cp) each) stay cheap. A larger cp is rejected
+# instead of building millions of empty partitions (any cp divides an empty layout).
+MAX_CP = 4096
+
+
+def cp_size(cp) -> int:
+    """Section 10: ``cp`` as an int in ``[1, MAX_CP]``; ``TypeError`` / ``ValueError`` naming
+    it otherwise."""
+    cp = as_int(cp, "cp", minimum=1)
+    if cp > MAX_CP:
+        raise ValueError(f"cp must be <= {MAX_CP} (MAX_CP, the largest CP group size "
+                         f"accepted), got {cp}")
+    return cp
 
 
 def cp_partition(layout, cp, *, mode="contiguous"):
@@ -18,10 +33,12 @@ def cp_partition(layout, cp, *, mode="contiguous"):
       chunks and rank ``r`` takes chunks ``r`` and ``2*cp-1-r`` of every document, in document
       order. Capacity rows past ``cu_seqlens_padded[-1]`` are split the same way as one more
       segment. Every segment length must be divisible by ``2*cp``.
+
+    ``cp`` is an int in ``[1, MAX_CP]``.
     """
     if not isinstance(layout, PackedLayout):
         raise TypeError(f"layout must be a PackedLayout, got {type(layout).__name__}")
-    cp = as_int(cp, "cp", minimum=1)
+    cp = cp_size(cp)
     mode = choice(mode, "mode", ("contiguous", "zigzag"))
     T = layout.num_rows
     if mode == "contiguous":

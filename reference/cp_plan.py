@@ -43,7 +43,7 @@ from ._checks import as_float64, as_index, as_int, choice
 from ._pointwise import sigmoid
 from ._reduce import fold_rows_into, ordered_sum
 from .attention import sparse_attention_backward, sparse_attention_forward, valid_slots
-from .cp import cp_partition
+from .cp import cp_partition, cp_size
 from .indexer_loss import sparse_indexer_loss, sparse_indexer_loss_grad
 from .layout import PackedLayout
 
@@ -246,7 +246,7 @@ def cp_plans(layout, cp, *, window, ratio, mode="contiguous"):
     """
     if not isinstance(layout, PackedLayout):
         raise TypeError(f"layout must be a PackedLayout, got {type(layout).__name__}")
-    cp = as_int(cp, "cp", minimum=1)
+    cp = cp_size(cp)
     window = as_int(window, "window", minimum=1)
     ratio = as_int(ratio, "ratio", minimum=0)
     mode = choice(mode, "mode", ("contiguous", "zigzag"))
@@ -350,13 +350,30 @@ def cp_rank_expected(plan, *, q, kv, sink, ids, lengths=None, kv_cmp=None, dout=
         raise TypeError(f"plan must be a CPRankPlan, got {type(plan).__name__}")
     lay = plan.layout
     rows = plan.rows
-    ids = as_index(ids, "ids", ndim=2)
-    if ids.shape[0] != lay.num_rows:
-        raise ValueError(f"ids must have {lay.num_rows} rows (layout.num_rows), got {tuple(ids.shape)}")
-    q = as_float64(q, "q", ndim=3)
+    T = lay.num_rows
+    grad_mode = choice(grad_mode, "grad_mode", ("clipped", "autograd"))
+    # Every global per-row input has T rows: checked here, before any row is taken.
+    ids = _global_rows(as_index(ids, "ids", ndim=2), "ids", T)
+    q = _global_rows(as_float64(q, "q", ndim=3), "q", T)
     sink = as_float64(sink, "sink", ndim=1, allow_nan=False)
     if lengths is not None:
-        lengths = as_index(lengths, "lengths", ndim=1)[rows]
+        lengths = _global_rows(as_index(lengths, "lengths", ndim=1), "lengths", T)[rows]
+    if compressed_ids is not None:
+        compressed_ids = _global_rows(as_index(compressed_ids, "compressed_ids", ndim=2),
+                                      "compressed_ids", T)
+    if index_scores is not None:
+        index_scores = _global_rows(as_float64(index_scores, "index_scores", ndim=2),
+                                    "index_scores", T)
+        C = int(plan.group_slot.numel())
+        if index_scores.shape[1] != C:
+            raise ValueError(f"index_scores must have {C} columns (compressed groups), got "
+                             f"{tuple(index_scores.shape)}")
+    if dout is not None:
+        dout = _global_rows(as_float64(dout, "dout", ndim=3), "dout", T)
+    if q_idx is not None:
+        q_idx = _global_rows(as_float64(q_idx, "q_idx", ndim=3), "q_idx", T)
+    if weights is not None:
+        weights = _global_rows(as_float64(weights, "weights", ndim=2), "weights", T)
     keys = plan.key_buffer(kv, kv_cmp)
     ids_phys = plan.to_physical(ids[rows])
     q_loc = q[rows]
@@ -367,10 +384,10 @@ def cp_rank_expected(plan, *, q, kv, sink, ids, lengths=None, kv_cmp=None, dout=
 
     slots = kl = loss_res = g_cmp = None
     if compressed_ids is not None:
-        cids = as_index(compressed_ids, "compressed_ids", ndim=2)[rows]
+        cids = compressed_ids[rows]
         slots = plan.compressed_to_slots(cids)
         if index_scores is not None and kv_cmp is not None:
-            scores = as_float64(index_scores, "index_scores", ndim=2)
+            scores = index_scores
             phys_scores = torch.full((plan.num_local, plan.cp * plan.cmp_capacity),
                                      float("-inf"), dtype=torch.float64)
             phys_scores[:, plan.group_slot] = scores[rows]
@@ -382,7 +399,7 @@ def cp_rank_expected(plan, *, q, kv, sink, ids, lengths=None, kv_cmp=None, dout=
 
     dq = dq_idx = dw = partial = None
     if dout is not None:
-        dout = as_float64(dout, "dout", ndim=3)[rows]
+        dout = dout[rows]
         L, K = ids_phys.shape
         D = keys.shape[1]
         # Expand every (row, slot) into its own key row: each expanded row is referenced once,
@@ -399,8 +416,10 @@ def cp_rank_expected(plan, *, q, kv, sink, ids, lengths=None, kv_cmp=None, dout=
         dsink_contrib = _dsink_rows(sink, out, lse, dout)
         dki_dest = dki_contrib = None
         if loss_res is not None and q_idx is not None:
-            qi = as_float64(q_idx, "q_idx", ndim=3)[rows]
-            w = as_float64(weights, "weights", ndim=2)[rows]
+            if weights is None or k_idx is None:
+                raise ValueError("q_idx, k_idx and weights must be given together")
+            qi = q_idx[rows]
+            w = weights[rows]
             kg = plan.gathered(k_idx, "k_idx")
             Kc = slots.shape[1]
             ok = (slots >= 0) & (slots < kg.shape[0])
@@ -416,6 +435,12 @@ def cp_rank_expected(plan, *, q, kv, sink, ids, lengths=None, kv_cmp=None, dout=
         partial = CPRankPartial(lay.num_rows, rows, dest, dkv_contrib, dsink_contrib, kl, dki_dest, dki_contrib)
     return CPRankExpected(rows, ids_phys, plan.to_logical(ids_phys), lengths_out, slots, out,
                           lse, kl, dq, dq_idx, dw, partial)
+
+
+def _global_rows(x, name, T):
+    if x.shape[0] != T:
+        raise ValueError(f"{name} must have {T} rows (layout.num_rows), got {tuple(x.shape)}")
+    return x
 
 
 def _dsink_rows(sink, out, lse, dout):
@@ -439,15 +464,21 @@ class CPReduced(NamedTuple):
 def cp_reduce_partials(partials, *, num_keys, num_compressed=None, coeff=0.0, num_real=None):
     """Section 10: fold the ranks' contributions in global (row, slot) order.
 
-    ``partials``: one :class:`CPRankPartial` per rank (any rank order; together they must
-    cover every global row exactly once). ``num_keys`` is ``T + C`` (the logical key buffer),
+    ``partials``: a list or tuple of one :class:`CPRankPartial` per rank (any rank order;
+    together they must cover every global row exactly once). ``num_keys`` is ``T + C`` (the logical key buffer),
     ``num_compressed`` ``C`` (needed for ``dk_idx``), ``coeff`` and ``num_real`` ``N`` for the
     loss. The folds are the oracle's (``_reduce``), so every result equals the cp=1 oracle's
     bitwise.
     """
+    if isinstance(partials, CPRankPartial) or not isinstance(partials, (list, tuple)):
+        raise TypeError(f"partials must be a list or tuple of CPRankPartial (one per rank), "
+                        f"got {type(partials).__name__}")
     parts = list(partials)
-    if not parts or not all(isinstance(p, CPRankPartial) for p in parts):
-        raise TypeError("partials must be a non-empty sequence of CPRankPartial")
+    if not parts:
+        raise ValueError("partials must hold at least one CPRankPartial")
+    for i, p in enumerate(parts):
+        if not isinstance(p, CPRankPartial):
+            raise TypeError(f"partials[{i}] must be a CPRankPartial, got {type(p).__name__}")
     num_keys = as_int(num_keys, "num_keys", minimum=0)
     rows = torch.cat([p.rows for p in parts])
     order = torch.argsort(rows, stable=True)
