@@ -54,7 +54,7 @@ def test_verify_of_a_missing_directory_is_one_line(capsys, tmp_path):
 def test_regen_inside_an_xdist_worker_is_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")
     err = _one_line_error(capsys, ["regen", "--data", str(tmp_path), "capacity-rows"])
-    assert err.startswith("python -m fixtures regen: error: fixtures regen refuses to run "
+    assert err.startswith("python -m fixtures regen: error: regen refuses to run "
                           "inside a pytest-xdist worker (gw3)")
     assert not any(tmp_path.iterdir())
 

@@ -221,8 +221,12 @@ def test_full_regen_drops_cases_no_longer_stored(monkeypatch, tmp_path):
     monkeypatch.setattr(store, "STORED_CASES", (SMALL, "sink-log-k"))
     store.regen(tmp_path, echo=lambda x: None)
     monkeypatch.setattr(store, "STORED_CASES", (SMALL,))
+    (tmp_path / "stray.safetensors").write_bytes(b"junk")
+    (tmp_path / "notes.txt").write_text("kept: not a case file")
     s = store.regen(tmp_path, echo=lambda x: None)
     assert s.removed == ["sink-log-k"] and s.unchanged == [SMALL] and not s.kept
+    assert s.cleaned == ["stray.safetensors"]
+    (tmp_path / "notes.txt").unlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([store.MANIFEST,
                                                                f"{SMALL}.safetensors"])
     assert [e["id"] for e in _manifest(tmp_path)["cases"]] == [SMALL]
@@ -294,7 +298,8 @@ def test_a_killed_regen_leaves_temp_files_that_verify_reports_and_regen_removes(
     lines = []
     s = store.regen(copy, [SMALL], echo=lines.append)
     assert s.cleaned == left
-    assert lines[1] == f"  removed 1 leftover temporary files of an interrupted regen: {left[0]}"
+    assert lines[1].startswith("  removed 1 leftover files (temporary files of an interrupted "
+                               "regen") and lines[1].endswith(left[0])
     assert sorted(p.name for p in copy.iterdir()) == sorted(before)
     assert store.verify(copy, []).ok
 
