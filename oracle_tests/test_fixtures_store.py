@@ -371,10 +371,12 @@ INCONSISTENCIES = {
                        f"({SMALL}): field 'case' is [1], not an object"),
     "file as a number": (_edit_manifest(lambda m: _entry(m).update(file=5)),
                          f"({SMALL}): field 'file' is 5, not a string"),
-    "file of another case": (_edit_manifest(lambda m: _entry(m).update(file="near-ties.safetensors")),
+    "file of another case": (_edit_manifest(lambda m: _entry(m).update(
+        file="near-ties.safetensors")),
                              f"({SMALL}): file 'near-ties.safetensors' is not "
                              f"'{SMALL}.safetensors'"),
-    "shape as a string": (_edit_manifest(lambda m: _entry(m)["tensors"]["out.dq"].update(shape="x")),
+    "shape as a string": (_edit_manifest(lambda m: _entry(m)["tensors"]["out.dq"].update(
+        shape="x")),
                           f"({SMALL}): tensor 'out.dq' is described by"),
     "bad sha256": (_edit_manifest(lambda m: _entry(m).update(sha256="abc")),
                    "is not 64 lowercase hex digits"),
