@@ -90,8 +90,9 @@ IO = "io"                       # Stage.stored: the case's input dtype
 class Run(NamedTuple):
     """One pipeline run: ``got`` the adapter's outputs (judged), ``consumed`` what each op was
     fed (the adapter's outputs, or the oracle's where the adapter lacks the op; plus
-    ``"backward_convention"`` when the adapter pins one), ``backends`` op -> the backend that
-    ran it."""
+    ``"backward_convention"`` when the adapter pins one, and ``"not_run"``, op -> reason, when
+    the pipeline stopped because the oracle could not stand in for a missing op on the
+    adapter's outputs), ``backends`` op -> the backend that ran it."""
 
     got: dict
     consumed: dict
@@ -228,7 +229,8 @@ def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True)
     got: dict = {}
     con: dict = {}
     backends: dict = {}
-    for s in reversed(runs):
+    order = runs[::-1]
+    for i, s in enumerate(order):
         v = {r: _read(case, r, x, con) for r in s.reads}
         if use[s.op]:
             args, kw = s.call(case, lay, _moved(v, dev))
@@ -236,7 +238,16 @@ def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True)
             got.update(zip(s.writes, res))
         else:
             args, kw = s.call(case, lay, _moved(v, "cpu"))
-            res = _fields(s.op, getattr(R, s.op)(*args, **kw), len(s.writes))
+            try:
+                res = _fields(s.op, getattr(R, s.op)(*args, **kw), len(s.writes))
+            except (ValueError, TypeError, IndexError, RuntimeError) as exc:
+                # an output of the implementation the oracle cannot consume (e.g. NaN scores):
+                # the pipeline stops; judge reports that output's failure and the adapter's
+                # remaining ops as not judged
+                con["not_run"] = {t.op: f"the oracle could not stand in for {s.op} on the "
+                                        f"implementation's outputs ({exc})"
+                                  for t in order[i:] if use[t.op]}
+                break
             res = tuple(t.to(_stored(case, d)).to(dev) for t, d in zip(res, s.stored))
         con.update(zip(s.writes, res))
     if backward and use.get("sparse_attention_backward"):
@@ -755,6 +766,7 @@ def judge(case, x: dict, got: dict, *, precision, consumed: dict | None = None,
                         f"Precision, got {type(precision).__name__}")
     con = dict(got if consumed is None else consumed)
     declared = con.pop("backward_convention", None)
+    not_run = con.pop("not_run", {})
     pinned = convention if convention is not None else declared
     if pinned is not None and pinned not in BACKWARD_CONVENTIONS:
         raise ValueError(f"convention must be one of {BACKWARD_CONVENTIONS} or None, got "
@@ -774,6 +786,10 @@ def judge(case, x: dict, got: dict, *, precision, consumed: dict | None = None,
             elif c.extra.get("blocked"):
                 j.blocked.setdefault(q, c.extra["not_judged"])
             v.append(c)
+    for st in STAGES:
+        if st.op in not_run:
+            v += [_tagged(not_judged(q, kind, f"{st.op} did not run: {not_run[st.op]}"), q)
+                  for q, kind in _CHECKED[st.op]]
     if maps is not None:
         maps["padding"] = ~j.lay.is_real
         try:
