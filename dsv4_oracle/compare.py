@@ -180,7 +180,7 @@ def error_ratios(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tens
     fin = torch.isfinite(a64) & torch.isfinite(e64)
     err = torch.where(fin, (a64 - e64).abs(), torch.full_like(e64, math.inf))
     r = torch.where(same, torch.zeros_like(e64), err / b64)          # x/0 = inf for x > 0
-    return torch.nan_to_num(r, nan=math.inf)
+    return torch.nan_to_num(r, nan=math.inf, posinf=math.inf)
 
 
 def compare_numeric(name: str, actual, expected, bound) -> CheckResult:

@@ -488,7 +488,9 @@ class _Judging:
         if compare_numeric(name, -actual.detach().to("cpu", F64), expected, bound).passed:
             hints.append("-actual is within the bound everywhere: a flipped sign?")
             extra["hint"] = "sign"
-        detail = res.detail + "".join(f"; {h}" for h in hints)
+        if hints:
+            extra["hints"] = "".join(f"; {h}" for h in hints)
+        detail = res.detail + extra.get("hints", "")
         return _tagged(dataclasses.replace(res, detail=detail, extra={**res.extra, **extra}),
                        name)
 
@@ -598,12 +600,19 @@ def _worst(checks: list) -> float:
     return max((c.ratio for c in checks if c.ratio is not None and c.judged), default=0.0)
 
 
+def _with_note(c: CheckResult, note: str) -> CheckResult:
+    """``note`` after the check's finding and before its hints."""
+    hints = c.extra.get("hints", "")
+    base = c.detail[:len(c.detail) - len(hints)] if hints else c.detail
+    return dataclasses.replace(c, detail=base + note + hints)
+
+
 def _judge_backward(j: _Judging, st: Stage, pinned: str | None = None) -> list:
     """Section 6 backward under the two conventions for ``out`` in ``Delta``: the first
     convention (``"given"``, then ``"recomputed"``; only the pinned one when the adapter pins
     one) under which every gradient passes is the one the implementation follows. When none
-    holds, the checks of the convention that came closest (smallest worst ratio) are reported,
-    failing, with both conventions' worst ratios. Rows with no key must have ``dq == 0``."""
+    holds, the checks of the convention that came closest (fewest failing gradients, then the
+    smallest worst ratio) are reported, failing, with both conventions' worst ratios. Rows with no key must have ``dq == 0``."""
     tried: dict = {}
     chosen = None
     for conv in (pinned,) if pinned else BACKWARD_CONVENTIONS:
@@ -611,7 +620,8 @@ def _judge_backward(j: _Judging, st: Stage, pinned: str | None = None) -> list:
         if all(c.passed for c in tried[conv][0]):
             chosen = conv
             break
-    closest = chosen or min(tried, key=lambda c: _worst(tried[c][0]))
+    closest = chosen or min(tried, key=lambda c: (sum(not r.passed for r in tried[c][0]),
+                                                  _worst(tried[c][0])))
     ratios = {c: _worst(t[0]) for c, t in tried.items()}
     extra = {"convention": closest, "convention_pinned": pinned is not None,
              "convention_holds": chosen is not None, "convention_worst_ratios": ratios}
@@ -622,8 +632,8 @@ def _judge_backward(j: _Judging, st: Stage, pinned: str | None = None) -> list:
                 f"{'' if pinned else 's'} of contract section 6 (worst ratio {under}); "
                 f"closest: {closest}")
     results, g_o, bounds = tried[closest]
-    checks = [_tagged(dataclasses.replace(c, detail=c.detail + ("" if c.passed else note)),
-                      c.extra["quantity"], **extra) for c in results]
+    checks = [_tagged(c if c.passed else _with_note(c, note), c.extra["quantity"], **extra)
+              for c in results]
     if "dq" in j.got:
         dq = j.got["dq"].detach().to("cpu")
         empty = _sink_only_rows(j)

@@ -397,8 +397,8 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
                           f"{len(result.outcomes)} cases{w} in {result.elapsed_s:.1f} s",
                           "green", color))
     else:
-        out.append(_paint(f"FAIL: {n_failed} of {n_checks} checks failed{nj} in {bad_cases} of "
-                          f"{len(result.outcomes)} cases ({result.elapsed_s:.1f} s)", "red",
+        out.append(_paint(f"FAIL: {n_failed} of {n_checks} checks failed in {bad_cases} of "
+                          f"{len(result.outcomes)} cases ({result.elapsed_s:.1f} s){nj}", "red",
                           color))
     return "\n".join(out)
 
