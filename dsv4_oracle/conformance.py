@@ -225,7 +225,7 @@ def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True)
     for s in reversed(stages):
         if use[s.op] or wanted & set(s.writes):
             runs.append(s)
-            wanted |= {_QUANTITY_OF.get(r, r) if r == "att_lengths" else r for r in s.reads}
+            wanted |= {"lengths" if r == "att_lengths" else r for r in s.reads}
     got: dict = {}
     con: dict = {}
     backends: dict = {}
