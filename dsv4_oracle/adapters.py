@@ -31,8 +31,11 @@ carries a ``backend`` attribute (as :mod:`gpu_impl.api` results do) is recorded 
 Optional attributes: ``name`` (str), ``device`` (``"cpu"`` by default), ``precision`` (a
 :class:`reference.error_model.Precision`, or a callable ``dtype -> Precision``; the default is
 float32 accumulation and statistics with outputs stored in the input dtype), ``ops`` (the
-tuple of op names the adapter claims; each must be callable) and ``unavailable()`` (``None``, or
-a one-line reason why the adapter cannot run on this machine).
+tuple of op names the adapter claims; each must be callable), ``unavailable()`` (``None``, or
+a one-line reason why the adapter cannot run on this machine) and ``backward_convention``
+(``"given"`` or ``"recomputed"``: the attention backward's ``Delta = <dO, out>`` uses the ``out``
+it is handed, or its own recomputed forward's; contract section 6 allows both, and without the
+attribute the checker accepts whichever holds and reports it).
 
 An adapter may implement any subset: the runner feeds every op the oracle's result for the ops
 the adapter lacks (rounded as a kernel would store it) and judges only what the adapter

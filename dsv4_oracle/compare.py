@@ -35,9 +35,15 @@ __all__ = [
     "check_no_mutation",
     "TOPK_ORDERS",
     "ill_conditioned",
+    "error_ratios",
+    "not_judged",
+    "STATUSES",
 ]
 
 TOPK_ORDERS = ("id", "score")
+# a check's status: the implementation passed it, failed it, or it could not be judged (every
+# element ill-conditioned, an empty tensor, or an upstream output the oracle cannot consume)
+STATUSES = ("passed", "failed", "not_judged")
 _F64 = torch.float64
 
 
@@ -45,11 +51,16 @@ _F64 = torch.float64
 class CheckResult:
     """The outcome of one check.
 
-    ``kind``: ``"numeric"``, ``"exact"``, ``"topk"``, ``"replay"``, ``"grad_mode"`` or
-    ``"no_mutation"``. ``ratio``: error/bound for numeric checks (``<= 1`` passes). ``mismatches``:
-    the number of mismatching elements (exact, replay, grad-mode), rows (top-k) or tensors
-    (no-mutation). ``detail``: one human-readable line. ``extra``: further JSON-ready facts
-    (worst index, excluded rows, per-tensor counts, ...).
+    ``kind``: ``"numeric"``, ``"exact"``, ``"topk"``, ``"replay"``, ``"grad_mode"``,
+    ``"no_mutation"`` or ``"error"``. ``passed``: the implementation did not fail this check
+    (the verdict is the conjunction of ``passed``). ``judged``: ``False`` when the check could
+    not be judged (section 12: every element ill-conditioned, nothing to compare, or an upstream
+    output the oracle cannot consume); such a check is never a failure and never a pass:
+    :attr:`status` is ``"not_judged"`` and reports count it separately. ``ratio``: error/bound
+    for numeric checks (``<= 1`` passes). ``mismatches``: the number of mismatching elements
+    (exact, replay, grad-mode), rows (top-k), tensors (no-mutation) or over-bound elements
+    (numeric). ``detail``: one human-readable line. ``extra``: further JSON-ready facts (worst
+    index, excluded rows, ill-conditioned count, ...).
     """
 
     name: str
@@ -59,11 +70,23 @@ class CheckResult:
     mismatches: int | None = None
     detail: str = ""
     extra: dict = field(default_factory=dict)
+    judged: bool = True
+
+    def __post_init__(self):
+        if not self.judged and not self.passed:
+            raise ValueError(f"check {self.name!r}: a failed check is judged (judged=False "
+                             "requires passed=True)")
+
+    @property
+    def status(self) -> str:
+        """``"passed"``, ``"failed"`` or ``"not_judged"`` (one of :data:`STATUSES`)."""
+        return "failed" if not self.passed else ("passed" if self.judged else "not_judged")
 
     def to_dict(self) -> dict:
         """A JSON-ready dict (non-finite floats as the strings ``"inf"``, ``"-inf"``, ``"nan"``)."""
-        d = {"name": self.name, "kind": self.kind, "passed": self.passed, "ratio": self.ratio,
-             "mismatches": self.mismatches, "detail": self.detail}
+        d = {"name": self.name, "kind": self.kind, "passed": self.passed,
+             "status": self.status, "ratio": self.ratio, "mismatches": self.mismatches,
+             "detail": self.detail}
         d.update(self.extra)
         return _jsonable(d)
 
@@ -72,6 +95,12 @@ class CheckResult:
         if not self.passed:
             raise AssertionError(f"{self.name} ({self.kind}): {self.detail}")
         return self
+
+
+def not_judged(name: str, kind: str, reason: str, **extra) -> CheckResult:
+    """A check that could not be judged, with the reason (never a pass, never a failure)."""
+    return CheckResult(name, kind, True, None, None, f"not judged: {reason}",
+                       {**extra, "not_judged": reason}, judged=False)
 
 
 def _jsonable(x):
@@ -139,13 +168,36 @@ def ill_conditioned(expected, bound) -> torch.Tensor:
     return torch.isfinite(e64) & (b64 > 0) & (b64 >= e64.abs())
 
 
+def error_ratios(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Per element ``|actual - expected| / bound`` (float64, ``expected``'s shape): 0 where the
+    two are equal (non-finite values included), ``inf`` where a non-finite value differs or a
+    positive error meets a zero bound. ``bound`` must broadcast to ``expected``; shapes of
+    ``actual`` and ``expected`` must match."""
+    a64 = _cpu(actual).to(_F64)
+    e64 = _cpu(expected).to(_F64)
+    b64 = torch.broadcast_to(_cpu(bound).to(_F64), e64.shape)
+    same = (a64 == e64) | (torch.isnan(a64) & torch.isnan(e64))
+    fin = torch.isfinite(a64) & torch.isfinite(e64)
+    err = torch.where(fin, (a64 - e64).abs(), torch.full_like(e64, math.inf))
+    r = torch.where(same, torch.zeros_like(e64), err / b64)          # x/0 = inf for x > 0
+    return torch.nan_to_num(r, nan=math.inf, posinf=math.inf)
+
+
 def compare_numeric(name: str, actual, expected, bound) -> CheckResult:
-    """Section 12: ``ratio = max |actual - expected| / bound``; passes iff ``ratio <= 1``.
+    """Section 12: ``ratio = max |actual - expected| / bound``.
 
     First, the positions of ``-inf``, ``+inf`` and NaN must be identical in ``actual`` and
     ``expected`` (an exact check; any difference fails with ``ratio = inf``). Then over the
     finite positions an element with zero error contributes 0 and an element with a positive
     error and a zero bound contributes ``inf`` (a zero bound is an exact check).
+
+    Power (section 12, :func:`ill_conditioned`): an element whose bound reaches the magnitude
+    of its expected value is *not judged*; it is counted (``extra["ill_conditioned"]``) and
+    never makes the check pass, but an error over its bound still fails. The check fails iff
+    some element's ratio exceeds 1 (``ratio`` is then the largest); it passes when every judged
+    element is within its bound (``ratio`` is the largest over the judged elements); when no
+    element can be judged (all ill-conditioned, or an empty tensor) its status is
+    ``"not_judged"`` (``passed`` True, ``judged`` False, ``ratio`` the largest over all).
     ``bound`` must broadcast to ``expected`` and be non-negative (it comes from
     ``reference.error_model``). A shape mismatch between ``actual`` and ``expected`` fails.
     """
@@ -171,6 +223,8 @@ def compare_numeric(name: str, actual, expected, bound) -> CheckResult:
                            {"shape": list(a.shape), "expected_shape": list(e.shape)})
     a64 = _cpu(a).to(_F64)
     n = e64.numel()
+    if n == 0:
+        return not_judged(name, "numeric", "empty tensor, nothing to compare", numel=0)
     # 1. exact check of the non-finite positions (codes: 0 finite, 1 NaN, 2 +inf, 3 -inf)
     sa, se = _nonfinite_code(a64), _nonfinite_code(e64)
     bad = (sa != se).reshape(-1)
@@ -183,27 +237,32 @@ def compare_numeric(name: str, actual, expected, bound) -> CheckResult:
             f"{nbad} of {n} non-finite positions differ; first at {idx}: actual "
             f"{float(a64.reshape(-1)[i])!r}, expected {float(e64.reshape(-1)[i])!r}",
             {"nonfinite_mismatches": nbad, "worst_index": idx, "numel": n})
-    # 2. error / bound over the finite positions
+    # 2. error / bound over the finite positions; ill-conditioned elements are not judged
     fin = (se == 0).reshape(-1)
     err = (a64 - e64).abs().reshape(-1)
     err = torch.where(fin, err, torch.zeros_like(err))
     bf = b64.reshape(-1)
-    r = torch.where(err == 0, torch.zeros_like(err), err / bf)       # x/0 = inf for x > 0
-    if n == 0:
-        return CheckResult(name, "numeric", True, 0.0, 0, "empty tensor",
-                           {"max_error": 0.0, "numel": 0})
-    i = int(torch.argmax(r))
+    r = error_ratios(a64, e64, b64).reshape(-1)
+    ill = ill_conditioned(e64, b64).reshape(-1)
+    n_ill = int(ill.sum())
+    over = int((r > 1).sum())
+    passed = over == 0
+    judged = not passed or n_ill < n
+    i = int(torch.argmax(r if not passed or not judged else torch.where(ill, -1.0, r)))
     worst = float(r[i])
     idx = _index(i, e64.shape)
-    over = int((r > 1).sum())
-    passed = worst <= 1.0
-    detail = (f"ratio {worst:.3g} (error {float(err[i]):.3g} / bound {float(bf[i]):.3g}) at {idx}: "
-              f"actual {float(a64.reshape(-1)[i])!r}, expected {float(e64.reshape(-1)[i])!r}"
-              + ("" if passed else f"; {over} of {n} elements over their bound"))
-    return CheckResult(name, "numeric", passed, worst, over, detail,
-                       {"max_error": float(err.max()), "worst_index": idx,
-                        "worst_error": float(err[i]), "worst_bound": float(bf[i]),
-                        "numel": n})
+    extra = {"max_error": float(err.max()), "worst_index": idx, "worst_error": float(err[i]),
+             "worst_bound": float(bf[i]), "numel": n, "ill_conditioned": n_ill}
+    at = (f"ratio {worst:.3g} (error {float(err[i]):.3g} / bound {float(bf[i]):.3g}) at {idx}: "
+          f"actual {float(a64.reshape(-1)[i])!r}, expected {float(e64.reshape(-1)[i])!r}")
+    ill_txt = f"; {n_ill} of {n} elements not judged (ill-conditioned)" if n_ill else ""
+    if not judged:
+        return CheckResult(name, "numeric", True, worst, 0,
+                           f"not judged: all {n} elements ill-conditioned (bound >= |expected|); "
+                           f"largest {at}", {**extra, "not_judged": "ill-conditioned"},
+                           judged=False)
+    detail = at + ("" if passed else f"; {over} of {n} elements over their bound") + ill_txt
+    return CheckResult(name, "numeric", passed, worst, over, detail, extra)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -226,7 +285,7 @@ def _mismatch_mask(a: torch.Tensor, e: torch.Tensor, bitwise: bool) -> torch.Ten
 
 
 def compare_exact(name: str, actual, expected, *, bitwise: bool = False) -> CheckResult:
-    """Sections 4, 5 and 12: exact equality.
+    """Sections 4, 5 and 12: exact equality (an empty comparison is not judged).
 
     ``bitwise=False``: equal values (``-0.0 == +0.0``, NaN equals NaN; integer dtypes compared
     as values, so int32 ids match int64 ids). ``bitwise=True``: identical dtype and bits.
@@ -247,6 +306,8 @@ def compare_exact(name: str, actual, expected, *, bitwise: bool = False) -> Chec
     bad = _mismatch_mask(a, e, bitwise).reshape(-1)
     nbad = int(bad.sum())
     n = bad.numel()
+    if n == 0:
+        return not_judged(name, "exact", "nothing to compare (0 elements)", numel=0)
     if not nbad:
         return CheckResult(name, "exact", True, None, 0, f"all {n} elements equal", {"numel": n})
     i = int(torch.nonzero(bad)[0])
@@ -359,12 +420,14 @@ def compare_topk(ids, lengths, ids_ref, lengths_ref, *, order: str | None = None
     got_t = _tensor(ids, "ids")
     if got_t.dim() != 2 or got_t.shape[0] != T:
         return CheckResult(name, "topk", False, None, None,
-                           f"ids shape {tuple(got_t.shape)} does not have {T} rows [T, width]")
+                           f"ids shape {tuple(got_t.shape)} does not have {T} rows [T, width]",
+                           {"shape": list(got_t.shape), "expected_shape": [T, ref.shape[1]]})
     got = _ids_2d(ids, "ids")
     lt = _tensor(lengths, "lengths")
     if tuple(lt.shape) != (T,):
         return CheckResult(name, "topk", False, None, None,
-                           f"lengths shape {tuple(lt.shape)} != ({T},)")
+                           f"lengths shape {tuple(lt.shape)} != ({T},)",
+                           {"shape": list(lt.shape), "expected_shape": [T]})
     lgot = _lengths_1d(lengths, "lengths", T)
     W = max(got.shape[1], ref.shape[1], 1)
     pad = lambda x: torch.cat([x, torch.full((T, W - x.shape[1]), -1, dtype=torch.int64)], 1)  # noqa: E731

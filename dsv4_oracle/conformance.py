@@ -10,24 +10,31 @@ consumed, including its own intermediates):
     case.materialize()  ->  run_ops / run_layer (the adapter's pipeline)  ->  Run(got, consumed)
                         ->  judge(case, inputs, got, consumed)  ->  [CheckResult, ...]
 
-- :func:`run_ops`: the op-level pipeline (indexer scores -> Top-K -> CSA rows -> attention
-  forward -> backward -> indexer loss -> loss gradients). Each op the adapter provides runs on
-  what the previous ops produced; an op it lacks is replaced by the oracle's result, rounded as
-  a kernel would store it (int32 ids, float32 statistics, ``out`` in the input dtype), so that
-  the adapter's own ops still get realistic inputs. Only the adapter's outputs are judged.
+Everything both halves need to know about the pipeline is one table, :data:`STAGES`: per op,
+what it reads, what it writes, when it applies to a case, how a kernel stores its outputs and
+which judge holds its rules. The oracle's function for a stage is the op of the same name in
+``reference`` (the adapter protocol uses the oracle's names and argument order), called with
+the same arguments as the adapter's op.
+
+- :func:`run_ops`: the op-level pipeline. Each stage the adapter provides runs on what the
+  previous stages produced; a stage it lacks, but whose outputs a later stage reads, is replaced
+  by the oracle's result rounded as a kernel stores it (:attr:`Stage.stored`).
 - :func:`run_layer`: the packed layer (``csa_layer``): forward, then autograd backward of
   ``out`` (upstream ``dout``) and of the indexer loss (upstream 1).
-- :func:`judge`: exact checks (Top-K sets/lengths/order policy on the consumed scores, and as
-  sets on the oracle's scores with near ties excluded; CSA rows; sink-only rows) and
-  error/bound ratios
-  (``reference.error_model``) for every numeric output. Every check carries the quantity it
-  judges (``extra["quantity"]``), one of :data:`QUANTITIES`.
+- :func:`judge`: stage by stage, in pipeline order, the oracle on what that stage consumed,
+  with its bound (``reference.error_model``) and its primitive check (``compare``). A stage
+  that reads an output whose own check found it unusable (a non-finite pattern or a shape the
+  oracle cannot consume) is *not judged*, never a crash. The attention backward is judged under
+  the two conventions of contract section 6 (``Delta`` from the ``out`` it was given, or from
+  its own recomputed forward). Every check carries the quantity it judges
+  (``extra["quantity"]``), one of :data:`QUANTITIES`.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -37,10 +44,11 @@ from reference import error_model as EM
 from .adapters import Adapter
 from .invoke import OpError, call_op, where
 from .compare import (CheckResult, compare_exact, compare_numeric, compare_topk, content_hash,
-                      near_tie_rows)
+                      error_ratios, near_tie_rows, not_judged)
 
-__all__ = ["QUANTITIES", "FORWARD_OUTPUTS", "BACKWARD_OPS", "Run", "OpError", "run_ops", "run_layer", "layer_applies", "judge",
-           "tensors_of", "error_ratio_map"]
+__all__ = ["QUANTITIES", "FORWARD_OUTPUTS", "BACKWARD_OPS", "BACKWARD_CONVENTIONS", "STAGES",
+           "Stage", "Run", "OpError", "run_ops", "run_layer", "layer_applies", "judge",
+           "tensors_of", "error_ratio_map", "concentration_hint"]
 
 F64 = torch.float64
 
@@ -69,16 +77,22 @@ QUANTITIES = {
     "run": ("-", "the implementation ran without raising"),
 }
 
-
 # the outputs of the forward pipeline (what section 11's grad-mode parity compares)
 FORWARD_OUTPUTS = ("scores", "cmp_ids", "cmp_lengths", "ids", "lengths", "out", "lse", "loss",
                    "kl", "target", "predict")
+BACKWARD_OPS = ("sparse_attention_backward", "sparse_indexer_loss_grad")
+# contract section 6: Delta = <dO, out> with the out the backward was handed ("given", kernel
+# style) or with its own recomputed, unrounded forward ("recomputed", autograd style)
+BACKWARD_CONVENTIONS = ("given", "recomputed")
+IO = "io"                       # Stage.stored: the case's input dtype
 
 
 class Run(NamedTuple):
     """One pipeline run: ``got`` the adapter's outputs (judged), ``consumed`` what each op was
-    fed (the adapter's outputs, or the oracle's where the adapter lacks the op), ``backends``
-    op -> the backend that ran it."""
+    fed (the adapter's outputs, or the oracle's where the adapter lacks the op; plus
+    ``"backward_convention"`` when the adapter pins one, and ``"not_run"``, op -> reason, when
+    the pipeline stopped because the oracle could not stand in for a missing op on the
+    adapter's outputs), ``backends`` op -> the backend that ran it."""
 
     got: dict
     consumed: dict
@@ -88,6 +102,72 @@ class Run(NamedTuple):
 def tensors_of(d: dict) -> dict:
     """The tensor entries of a dict (for replays, parity and hashing)."""
     return {k: v for k, v in d.items() if isinstance(v, torch.Tensor)}
+
+
+# ---------------------------------------------------------------------------------------------
+# the stage table
+# ---------------------------------------------------------------------------------------------
+class Stage(NamedTuple):
+    """One op of the pipeline.
+
+    ``reads``: the names it consumes (case inputs, or outputs of earlier stages; ``att_lengths``
+    is the attention's ``lengths`` argument: the CSA row lengths of a layer case whose
+    ``case.lengths`` is ``"layer"``, the case's own ``lengths`` of an op case). ``writes``: its
+    outputs (the first fields of its result). ``stored``: per output, the dtype the oracle's
+    result is rounded to when the adapter lacks the op (``IO``: the case's dtype). ``applies``:
+    whether the stage exists for a case. ``call``: ``(case, layout, reads) -> (args, kwargs)``,
+    the same for the adapter's op and for ``reference.<op>``. ``judge``: the stage's rules.
+    """
+
+    op: str
+    section: str
+    reads: tuple
+    writes: tuple
+    stored: tuple
+    applies: Callable
+    call: Callable
+    judge: Callable
+
+
+def _csa(case) -> bool:
+    return case.is_layer and case.layer == "csa"
+
+
+def _indexer(case) -> bool:
+    return _csa(case) and case.scores == "indexer"
+
+
+def _loss(case) -> bool:
+    return _csa(case) and case.layout().num_real > 0
+
+
+# which quantity's checks vouch for a read (cmp_lengths is judged with cmp_ids)
+_QUANTITY_OF = {"cmp_lengths": "cmp_ids", "att_lengths": "lengths"}
+
+
+def _read(case, name: str, x: dict, con: dict, produced: Callable | None = None):
+    """The value a stage reads under ``name``: what the pipeline consumed (``con``), else the
+    oracle's output for a name an applicable stage produces (``produced``), else the case's
+    inputs (``index_scores`` for a layer case with given scores; ``None`` for the compressed
+    selection of a layer without one)."""
+    if name == "att_lengths":
+        if not case.is_layer:
+            return x.get("lengths")
+        return _read(case, "lengths", x, con, produced) if case.lengths == "layer" else None
+    if name in con:
+        return con[name]
+    st = _PRODUCER.get(name)
+    if st is not None and st.applies(case):
+        return produced(name) if produced is not None else None
+    if name == "scores":
+        return x.get("index_scores")
+    if name in ("cmp_ids", "cmp_lengths"):
+        return None
+    return x[name]
+
+
+def _stored(case, dtype):
+    return case.torch_dtype if dtype == IO else dtype
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,7 +194,17 @@ def _call(adapter: Adapter, backends: dict, op: str, n: int, *args, **kwargs) ->
     return _fields(op, res, n)
 
 
-BACKWARD_OPS = ("sparse_attention_backward", "sparse_indexer_loss_grad")
+def _moved(v: dict, device) -> dict:
+    return {k: (t.to(device) if isinstance(t, torch.Tensor) else t) for k, t in v.items()}
+
+
+def _pinned_convention(adapter: Adapter, op: str) -> str | None:
+    """The backward convention the adapter declares (attribute ``backward_convention``)."""
+    conv = getattr(adapter.target, "backward_convention", None)
+    if conv is not None and conv not in BACKWARD_CONVENTIONS:
+        raise OpError(op, f"the adapter's backward_convention is {conv!r}; it must be one of "
+                          f"{', '.join(BACKWARD_CONVENTIONS)} (contract section 6)")
+    return conv
 
 
 def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True) -> Run:
@@ -122,93 +212,48 @@ def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True)
 
     ``ops``: restrict to these op names (default: every op the adapter provides);
     ``backward=False`` skips the gradient ops (the forward of section 11's grad-mode parity).
+    A stage runs when the adapter provides it, or (as the oracle, rounded per
+    :attr:`Stage.stored`) when a later stage that runs reads one of its outputs.
     Raises :class:`OpError` when an op raises or returns a malformed result.
     """
     dev = adapter.device
     lay = case.layout()
-    use = lambda op: (adapter.has(op) and (ops is None or op in ops)  # noqa: E731
-                      and (backward or op not in BACKWARD_OPS))
+    stages = [s for s in STAGES if s.applies(case) and (backward or s.op not in BACKWARD_OPS)]
+    use = {s.op: adapter.has(s.op) and (ops is None or s.op in ops) for s in stages}
+    wanted: set = set()
+    runs = []
+    for s in reversed(stages):
+        if use[s.op] or wanted & set(s.writes):
+            runs.append(s)
+            wanted |= {"lengths" if r == "att_lengths" else r for r in s.reads}
     got: dict = {}
     con: dict = {}
     backends: dict = {}
-
-    def filled(t, dtype):
-        return t.to(dtype).to(dev)
-
-    if case.is_layer:
-        cmp_ids = None
-        if case.layer == "csa":
-            if case.scores == "indexer":
-                if use("indexer_scores"):
-                    (s,) = _call(adapter, backends, "indexer_scores", 1, x["q_idx"], x["k_idx"],
-                                 x["weights"], lay, case.ratio)
-                    got["scores"] = s
-                else:
-                    s = filled(R.indexer_scores(x["q_idx"], x["k_idx"], x["weights"], lay,
-                                                case.ratio), torch.float32)
-            else:
-                s = x["index_scores"]
-            con["scores"] = s
-            if use("stable_topk"):
-                c_ids, c_len = _call(adapter, backends, "stable_topk", 2, s, case.topk,
-                                     order=case.order)
-                got.update(cmp_ids=c_ids, cmp_lengths=c_len)
-            else:
-                c_ids, c_len = (filled(t, torch.int32) for t in
-                                R.stable_topk(s, case.topk, order=case.order))
-            con.update(cmp_ids=c_ids, cmp_lengths=c_len)
-            cmp_ids = c_ids
-        if use("build_csa_indices"):
-            ids, lengths = _call(adapter, backends, "build_csa_indices", 2, lay,
-                                 window=case.window, ratio=case.ratio, compressed_ids=cmp_ids)
-            got.update(ids=ids, lengths=lengths)
+    order = runs[::-1]
+    for i, s in enumerate(order):
+        v = {r: _read(case, r, x, con) for r in s.reads}
+        if use[s.op]:
+            args, kw = s.call(case, lay, _moved(v, dev))
+            res = _call(adapter, backends, s.op, len(s.writes), *args, **kw)
+            got.update(zip(s.writes, res))
         else:
-            ids, lengths = (filled(t, torch.int32) for t in R.build_csa_indices(
-                lay, window=case.window, ratio=case.ratio,
-                compressed_ids=None if cmp_ids is None else cmp_ids.to("cpu")))
-        con.update(ids=ids, lengths=lengths)
-        ids, lengths = ids.to(dev), lengths.to(dev)
-        att_lengths = lengths if case.lengths == "layer" else None
-    else:
-        ids, att_lengths = x["ids"], x.get("lengths")
-    loss_stage = (case.is_layer and case.layer == "csa" and lay.num_real > 0
-                  and (use("sparse_indexer_loss")
-                       or (use("sparse_indexer_loss_grad") and case.scores == "indexer")))
-    if use("sparse_attention_forward"):
-        out, lse = _call(adapter, backends, "sparse_attention_forward", 2, x["q"], x["kv"], ids,
-                         x["sink"], v_dim=case.v_dim, lengths=att_lengths)
-        got.update(out=out, lse=lse)
-    elif use("sparse_attention_backward") or loss_stage:
-        o, l_ = R.sparse_attention_forward(x["q"], x["kv"], ids, x["sink"], v_dim=case.v_dim,
-                                           lengths=att_lengths)
-        out, lse = filled(o, x["q"].dtype), filled(l_, torch.float32)
-    else:
-        out = lse = None
-    if out is not None:
-        con.update(out=out, lse=lse)
-    if use("sparse_attention_backward"):
-        dq, dkv, dsink = _call(adapter, backends, "sparse_attention_backward", 3, x["q"],
-                               x["kv"], ids, x["sink"], out.to(dev), lse.to(dev), x["dout"],
-                               v_dim=case.v_dim, lengths=att_lengths)
-        got.update(dq=dq, dkv=dkv, dsink=dsink)
-    if loss_stage:
-        scores, c_ids = con["scores"].to(dev), con["cmp_ids"].to(dev)
-        if use("sparse_indexer_loss"):
-            loss, kl, target, predict = _call(adapter, backends, "sparse_indexer_loss", 4,
-                                              x["q"], x["kv_cmp"], x["sink"], lse.to(dev),
-                                              c_ids, scores, lay, coeff=case.coeff)
-            got.update(loss=loss, kl=kl, target=target, predict=predict)
-        else:
-            L = R.sparse_indexer_loss(x["q"], x["kv_cmp"], x["sink"], lse, c_ids, scores, lay,
-                                      coeff=case.coeff)
-            target, predict = filled(L.target, torch.float32), filled(L.predict, torch.float32)
-        con.update(target=target, predict=predict)
-        if case.scores == "indexer" and use("sparse_indexer_loss_grad"):
-            dq_idx, dw, dk_idx = _call(adapter, backends, "sparse_indexer_loss_grad", 3,
-                                       x["q_idx"], x["k_idx"], x["weights"], c_ids,
-                                       target.to(dev), predict.to(dev), coeff=case.coeff,
-                                       num_real=lay.num_real)
-            got.update(dq_idx=dq_idx, dw=dw, dk_idx=dk_idx)
+            args, kw = s.call(case, lay, _moved(v, "cpu"))
+            try:
+                res = _fields(s.op, getattr(R, s.op)(*args, **kw), len(s.writes))
+            except (ValueError, TypeError, IndexError, RuntimeError) as exc:
+                # an output of the implementation the oracle cannot consume (e.g. NaN scores):
+                # the pipeline stops; judge reports that output's failure and the adapter's
+                # remaining ops as not judged
+                con["not_run"] = {t.op: f"the oracle could not stand in for {s.op} on the "
+                                        f"implementation's outputs ({exc})"
+                                  for t in order[i:] if use[t.op]}
+                break
+            res = tuple(t.to(_stored(case, d)).to(dev) for t, d in zip(res, s.stored))
+        con.update(zip(s.writes, res))
+    if backward and use.get("sparse_attention_backward"):
+        conv = _pinned_convention(adapter, "sparse_attention_backward")
+        if conv is not None:
+            con["backward_convention"] = conv
     return Run(got, con, backends)
 
 
@@ -271,210 +316,494 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
     for k, v in got.items():
         if not isinstance(v, torch.Tensor):
             raise OpError(op, f"result field {k} is {type(v).__name__}, not a tensor")
-    return Run(got, dict(got), backends)
+    con = dict(got)
+    conv = _pinned_convention(adapter, op) if train else None
+    if conv is not None:
+        con["backward_convention"] = conv
+    return Run(got, con, backends)
+
+
+# ---------------------------------------------------------------------------------------------
+# failure hints
+# ---------------------------------------------------------------------------------------------
+# per numeric quantity, what each dimension indexes: "row" packed query rows, "key" the logical
+# key buffer (raw rows first, then compressed groups), "cmp" compressed ids, "head", "col"
+# feature columns, "slot" Top-K slots
+AXES = {"scores": ("row", "cmp"), "out": ("row", "head", "col"), "lse": ("row", "head"),
+        "dq": ("row", "head", "col"), "dkv": ("key", "col"), "dsink": ("head",), "loss": (),
+        "kl": ("row",), "target": ("row", "slot"), "predict": ("row", "slot"),
+        "dq_idx": ("row", "head", "col"), "dw": ("row", "head"), "dk_idx": ("cmp", "col")}
+_TRAILING = {"col": "columns", "slot": "slots", "cmp": "compressed ids"}
+
+
+def concentration_hint(over: torch.Tensor, axes: tuple, layout=None) -> str | None:
+    """Where the over-bound elements of a failed numeric check concentrate, or ``None``.
+
+    ``over``: bool mask of the elements over their bound; ``axes``: what each dimension indexes
+    (see :data:`AXES`); ``layout``: the case's :class:`reference.PackedLayout` (for rows and
+    raw key rows). Reported when there are at least two over-bound elements and they all lie in
+    one head (of several), one document (of several), only padding or capacity rows (of a
+    layout that has real rows too), or the last half of the slots or columns. Returns a phrase
+    such as ``"all 12 over-bound elements in head 3, in padding/capacity rows"``.
+    """
+    if over.dim() != len(axes):
+        raise ValueError(f"over has {over.dim()} dimensions, axes names {len(axes)}")
+    idx = torch.nonzero(over.to("cpu"))
+    n = idx.shape[0]
+    if n < 2:
+        return None
+    parts = []
+    for d, ax in enumerate(axes):
+        size = over.shape[d]
+        vals = torch.unique(idx[:, d])
+        if ax == "head" and size > 1 and vals.numel() == 1:
+            parts.append(f"head {int(vals[0])}")
+        elif ax in ("row", "key") and layout is not None:
+            rows = vals[vals < layout.num_rows]
+            if rows.numel() < vals.numel():
+                if rows.numel() == 0:
+                    parts.append("compressed key rows")
+                continue
+            real = layout.is_real[rows]
+            if not bool(real.any()) and bool(layout.is_real.any()):
+                parts.append("padding/capacity rows")
+                continue
+            docs = torch.unique(layout.doc[rows])
+            used = int((layout.doc_padded_lengths > 0).sum())
+            if docs.numel() == 1 and int(docs[0]) >= 0 and used > 1:
+                b = int(docs[0])
+                lo, hi = int(layout.cu_seqlens_padded[b]), int(layout.cu_seqlens_padded[b + 1])
+                parts.append(f"document {b} (rows {lo}..{hi - 1})")
+        elif ax in _TRAILING and size > 1:
+            lo = int(vals.min())
+            if lo >= size / 2:
+                parts.append(f"the last {size - lo} of {size} {_TRAILING[ax]}")
+    if not parts:
+        return None
+    return f"all {n} over-bound elements in " + ", in ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------
 # judging against the oracle
 # ---------------------------------------------------------------------------------------------
-def _tagged(res: CheckResult, quantity: str) -> CheckResult:
-    return dataclasses.replace(res, extra={**res.extra, "quantity": quantity})
+def _tagged(res: CheckResult, quantity: str, **extra) -> CheckResult:
+    return dataclasses.replace(res, extra={**res.extra, "quantity": quantity, **extra})
 
 
-def _numeric(name: str, actual, expected, bound) -> CheckResult:
-    """:func:`compare_numeric`, plus a diagnosis when it fails: if ``-actual`` is within the
-    bound everywhere, the detail says so (a flipped sign is the likeliest cause)."""
-    res = compare_numeric(name, actual, expected, bound)
-    if res.passed or res.ratio is None or not math.isfinite(res.ratio) or \
-            tuple(actual.shape) != tuple(expected.shape):
-        return res
-    neg = compare_numeric(name, -actual.detach().to("cpu", F64), expected, bound)
-    if neg.passed:
-        return dataclasses.replace(
-            res, detail=res.detail + "; -actual is within the bound everywhere: a flipped sign?",
-            extra={**res.extra, "hint": "sign"})
-    return res
+def _unusable(res: CheckResult) -> bool:
+    """A failed check that leaves its output unusable as an oracle input: a non-finite pattern
+    or a shape that differs from the oracle's."""
+    return not res.passed and ("nonfinite_mismatches" in res.extra
+                               or "expected_shape" in res.extra)
 
 
 def _key(*parts):
     """A cache key from tensors (content hashes) and plain values."""
-    out = []
-    for p in parts:
-        if isinstance(p, torch.Tensor):
-            out.append(content_hash(p))
-        else:
-            out.append(p)
-    return tuple(out)
-
-
-def _memo(cache, name, fn, *parts):
-    if cache is None:
-        return fn()
-    k = (name,) + _key(*parts)
-    if k not in cache:
-        cache[k] = fn()
-    return cache[k]
+    return tuple(content_hash(p) if isinstance(p, torch.Tensor) else p for p in parts)
 
 
 def error_ratio_map(actual, expected, bound) -> torch.Tensor:
     """Per ``(row, head)`` the largest ``|actual - expected| / bound`` over the trailing
     dimensions (0 where equal, ``inf`` where a non-finite value differs or a zero bound is
     broken), float64 ``[T, H]`` (``[T, 1]`` for 1-D tensors). Shapes must match."""
-    a = actual.detach().to("cpu", F64)
-    e = expected.detach().to("cpu", F64)
-    b = torch.broadcast_to(bound.detach().to("cpu", F64), e.shape)
-    same = (a == e) | (torch.isnan(a) & torch.isnan(e))
-    fin = torch.isfinite(a) & torch.isfinite(e)
-    err = torch.where(fin, (a - e).abs(), torch.full_like(a, math.inf))
-    r = torch.where(same, torch.zeros_like(a), err / b)
-    r = torch.nan_to_num(r, nan=math.inf)
+    r = error_ratios(actual.detach(), expected.detach(), bound.detach())
     if r.dim() == 1:
         return r.unsqueeze(1)
     return r.reshape(r.shape[0], r.shape[1], -1).amax(dim=2) if r.shape[-1] else \
         torch.zeros(r.shape[:2], dtype=F64)
 
 
-def judge(case, x: dict, got: dict, *, precision: EM.Precision, consumed: dict | None = None,
-          cache: dict | None = None, maps: dict | None = None) -> list[CheckResult]:
+class _Judging:
+    """The state of judging one run: the consumed inputs (CPU), the oracle's results memoised
+    on the content hash of what they read, the precision per op, and the outputs found
+    unusable so far (name -> reason)."""
+
+    def __init__(self, case, x, got, con, precision, cache, maps):
+        self.case, self.lay = case, case.layout()
+        self.x = {k: t.detach().to("cpu") for k, t in x.items() if isinstance(t, torch.Tensor)}
+        self.got = got
+        self.con = {k: v.detach().to("cpu") for k, v in con.items()
+                    if isinstance(v, torch.Tensor)}
+        self.precision = precision
+        self.cache = cache
+        self.maps = maps
+        self.blocked: dict = {}
+        self.failed: set = set()
+
+    def prec(self, op: str) -> EM.Precision:
+        p = self.precision
+        if isinstance(p, Mapping):
+            if op not in p:
+                raise ValueError(f"precision: the mapping has no entry for op {op!r}")
+            p = p[op]
+            if callable(p) and not isinstance(p, EM.Precision):
+                p = p(self.case.torch_dtype)
+        if not isinstance(p, EM.Precision):
+            raise TypeError(f"precision for op {op!r} must be a reference.error_model.Precision, "
+                            f"got {type(p).__name__}")
+        return p
+
+    def memo(self, name, fn, *parts):
+        if self.cache is None:
+            return fn()
+        k = (name,) + _key(*parts)
+        if k not in self.cache:
+            self.cache[k] = fn()
+        return self.cache[k]
+
+    def read(self, name: str):
+        v = _read(self.case, name, self.x, self.con, self.produced)
+        return v.detach().to("cpu") if isinstance(v, torch.Tensor) else v
+
+    def produced(self, name: str):
+        """The oracle's (float64, unrounded) output ``name`` on its stage's consumed inputs."""
+        st = _PRODUCER[name]
+        return dict(zip(st.writes, _fields(st.op, self.oracle(st), len(st.writes))))[name]
+
+    def reads(self, st: Stage, **override) -> dict:
+        return {r: (override[r] if r in override else self.read(r)) for r in st.reads}
+
+    def oracle(self, st: Stage, **override):
+        """``reference.<op>`` on what the stage consumed (``override`` replaces reads)."""
+        v = self.reads(st, **override)
+        args, kw = st.call(self.case, self.lay, v)
+        return self.memo(("oracle", st.op), lambda: getattr(R, st.op)(*args, **kw),
+                         *(v[r] for r in st.reads))
+
+    def numeric(self, name: str, expected, bound) -> CheckResult:
+        """:func:`compare_numeric` of ``got[name]``, plus hints when it fails: where the
+        over-bound elements concentrate, and whether ``-actual`` would pass (a flipped sign)."""
+        actual = self.got[name]
+        res = compare_numeric(name, actual, expected, bound)
+        if res.passed or res.ratio is None or not math.isfinite(res.ratio) or \
+                tuple(actual.shape) != tuple(expected.shape):
+            return _tagged(res, name)
+        hints, extra = [], {}
+        over = error_ratios(actual.detach(), expected, bound) > 1
+        where_ = concentration_hint(over, AXES.get(name, ()), self.lay) \
+            if over.dim() == len(AXES.get(name, ())) else None
+        if where_:
+            hints.append(where_)
+            extra["concentration"] = where_
+        if compare_numeric(name, -actual.detach().to("cpu", F64), expected, bound).passed:
+            hints.append("-actual is within the bound everywhere: a flipped sign?")
+            extra["hint"] = "sign"
+        if hints:
+            extra["hints"] = "".join(f"; {h}" for h in hints)
+        detail = res.detail + extra.get("hints", "")
+        return _tagged(dataclasses.replace(res, detail=detail, extra={**res.extra, **extra}),
+                       name)
+
+
+def _judge_scores(j: _Judging, st: Stage) -> list:
+    """Section 7: the scores against the oracle on the case's indexer inputs."""
+    s_o, b = _scores_and_bound(j)
+    return [j.numeric("scores", s_o, b)]
+
+
+def _scores_and_bound(j: _Judging) -> tuple:
+    """The oracle's indexer scores on the case's inputs and their bound."""
+    st = _PRODUCER["scores"]
+    v = j.reads(st)
+    s_o = j.oracle(st)
+    p = j.prec(st.op)
+    b = j.memo(("bound", st.op, p), lambda: EM.indexer_scores_bound(
+        v["q_idx"], v["k_idx"], v["weights"], j.lay, j.case.ratio, s_o, precision=p),
+        v["q_idx"], v["k_idx"], v["weights"])
+    return s_o, b
+
+
+def _judge_topk(j: _Judging, st: Stage) -> list:
+    """Section 4: exact sets, lengths and order policy of the Top-K of the consumed scores; and,
+    when the implementation computed the scores, the sets of the oracle's own selection with
+    near ties (within a few float32 ulps or the scores' bounds) excluded."""
+    case, got = j.case, j.got
+    t_ids, t_len = j.oracle(st)
+    out = [_tagged(compare_topk(got["cmp_ids"], got["cmp_lengths"], t_ids, t_len,
+                                order=case.order, name="cmp_ids (consumed scores)"), "cmp_ids")]
+    if "scores" in got and case.topk >= 1:
+        s_o, b_s = _scores_and_bound(j)
+        o_ids, o_len = j.oracle(st, scores=s_o)
+        ties = near_tie_rows(s_o, case.topk, bound=b_s)
+        out.append(_tagged(compare_topk(got["cmp_ids"], got["cmp_lengths"], o_ids, o_len,
+                                        near_tie_rows=ties, name="cmp_ids (oracle scores, sets)"),
+                           "cmp_ids"))
+    return out
+
+
+def _judge_rows(j: _Judging, st: Stage) -> list:
+    """Section 5: the CSA rows and lengths exactly, from the consumed compressed selection."""
+    r_ids, r_len = j.oracle(st)
+    return [_tagged(compare_exact("ids", j.got["ids"], r_ids), "ids"),
+            _tagged(compare_exact("lengths", j.got["lengths"], r_len), "lengths")]
+
+
+def _sink_only_rows(j: _Judging) -> torch.Tensor:
+    """Rows with no valid key (the oracle's ``lse`` is ``+inf``): bool ``[T]``."""
+    _, lse_o = j.oracle(_PRODUCER["out"])
+    if lse_o.numel():
+        return torch.isinf(lse_o[:, 0])
+    return torch.zeros(lse_o.shape[0], dtype=torch.bool)
+
+
+def _judge_forward(j: _Judging, st: Stage) -> list:
+    """Section 6 forward: ``out`` and ``lse`` by error/bound ratio; rows with no key exactly
+    (``out == 0``, ``lse == +inf``)."""
+    v = j.reads(st)
+    out_o, lse_o = j.oracle(st)
+    p = j.prec(st.op)
+    b_out, b_lse = j.memo(("bound", st.op, p), lambda: EM.attention_forward_bound(
+        v["q"], v["kv"], v["ids"], v["sink"], out_o, lse_o, precision=p, v_dim=j.case.v_dim,
+        lengths=v["att_lengths"]), *(v[r] for r in st.reads))
+    checks = []
+    if "out" in j.got:
+        checks.append(j.numeric("out", out_o, b_out))
+    if "lse" in j.got:
+        checks.append(j.numeric("lse", lse_o, b_lse))
+    empty = _sink_only_rows(j)
+    for name, exp, what in (("out", torch.zeros_like(out_o), "out == 0"),
+                            ("lse", lse_o, "lse == +inf")):
+        g = j.got.get(name)
+        if g is not None and tuple(g.shape) == tuple(exp.shape):
+            g = g.detach().to("cpu")
+            checks.append(_tagged(compare_exact(f"sink-only rows: {what}", g[empty],
+                                                exp[empty].to(g.dtype)), "sink_only"))
+            if j.maps is not None:
+                j.maps[name] = error_ratio_map(g, out_o if name == "out" else lse_o,
+                                               b_out if name == "out" else b_lse)
+    return checks
+
+
+_GRADS = ("dq", "dkv", "dsink")
+
+
+def _backward_under(j: _Judging, st: Stage, convention: str) -> tuple:
+    """The three attention gradients against the oracle's backward with ``Delta`` from the
+    ``out``/``lse`` the implementation was given (``"given"``) or from the oracle's own float64
+    forward on the consumed ``q``, ``kv``, ids and sink (``"recomputed"``). Returns
+    ``(checks, expected, bounds)``."""
+    override = {}
+    if convention == "recomputed":
+        out_o, lse_o = j.oracle(_PRODUCER["out"])
+        override = {"out": out_o, "lse": lse_o}
+    v = j.reads(st, **override)
+    g_o = j.oracle(st, **override)
+    p = j.prec(st.op)
+    bounds = j.memo(("bound", st.op, p), lambda: EM.attention_backward_bound(
+        v["q"], v["kv"], v["ids"], v["sink"], v["out"], v["lse"], v["dout"], *g_o,
+        precision=p, v_dim=j.case.v_dim, lengths=v["att_lengths"]), *(v[r] for r in st.reads))
+    checks = [j.numeric(name, e, b) for name, e, b in zip(_GRADS, g_o, bounds) if name in j.got]
+    return checks, g_o, bounds
+
+
+def _worst(checks: list) -> float:
+    return max((c.ratio for c in checks if c.ratio is not None and c.judged), default=0.0)
+
+
+def _with_note(c: CheckResult, note: str) -> CheckResult:
+    """``note`` after the check's finding and before its hints."""
+    hints = c.extra.get("hints", "")
+    base = c.detail[:len(c.detail) - len(hints)] if hints else c.detail
+    return dataclasses.replace(c, detail=base + note + hints)
+
+
+def _judge_backward(j: _Judging, st: Stage, pinned: str | None = None) -> list:
+    """Section 6 backward under the two conventions for ``out`` in ``Delta``: the first
+    convention (``"given"``, then ``"recomputed"``; only the pinned one when the adapter pins
+    one) under which every gradient passes is the one the implementation follows. When none
+    holds, the checks of the convention that came closest (fewest failing gradients, then the
+    smallest worst ratio) are reported, failing, with both conventions' worst ratios. Rows with no key must have ``dq == 0``."""
+    tried: dict = {}
+    chosen = None
+    for conv in (pinned,) if pinned else BACKWARD_CONVENTIONS:
+        tried[conv] = _backward_under(j, st, conv)
+        if all(c.passed for c in tried[conv][0]):
+            chosen = conv
+            break
+    closest = chosen or min(tried, key=lambda c: (sum(not r.passed for r in tried[c][0]),
+                                                  _worst(tried[c][0])))
+    ratios = {c: _worst(t[0]) for c, t in tried.items()}
+    extra = {"convention": closest, "convention_pinned": pinned is not None,
+             "convention_holds": chosen is not None, "convention_worst_ratios": ratios}
+    note = ""
+    if chosen is None:
+        under = ", ".join(f"{c} {r:.3g}" for c, r in ratios.items())
+        note = (f"; fails under the {'pinned ' if pinned else ''}backward convention"
+                f"{'' if pinned else 's'} of contract section 6 (worst ratio {under}); "
+                f"closest: {closest}")
+    results, g_o, bounds = tried[closest]
+    checks = [_tagged(c if c.passed else _with_note(c, note), c.extra["quantity"], **extra)
+              for c in results]
+    if "dq" in j.got:
+        dq = j.got["dq"].detach().to("cpu")
+        empty = _sink_only_rows(j)
+        if tuple(dq.shape) == tuple(g_o[0].shape):
+            checks.append(_tagged(compare_exact("sink-only rows: dq == 0", dq[empty],
+                                                torch.zeros_like(dq[empty])), "sink_only"))
+            if j.maps is not None:
+                j.maps["dq"] = error_ratio_map(dq, g_o[0], bounds[0])
+    return checks
+
+
+def _judge_loss(j: _Judging, st: Stage) -> list:
+    """Section 8: loss, per-row KL, teacher and student by error/bound ratio, on the consumed
+    ``lse``, compressed selection and scores."""
+    v = j.reads(st)
+    L = j.oracle(st)
+    p = j.prec(st.op)
+    LB = j.memo(("bound", st.op, p), lambda: EM.indexer_loss_bound(
+        v["q"], v["kv_cmp"], v["sink"], v["lse"], v["cmp_ids"], v["scores"], j.lay, L,
+        coeff=j.case.coeff, precision=p), *(v[r] for r in st.reads))
+    return [j.numeric(n, getattr(L, n), getattr(LB, n)) for n in st.writes if n in j.got]
+
+
+def _judge_loss_grad(j: _Judging, st: Stage) -> list:
+    """Section 8: the indexer gradients by error/bound ratio, on the consumed teacher and
+    student."""
+    v = j.reads(st)
+    g_o = _fields(st.op, j.oracle(st), 3)
+    p = j.prec(st.op)
+    g_b = j.memo(("bound", st.op, p), lambda: EM.indexer_loss_grad_bound(
+        v["q_idx"], v["k_idx"], v["weights"], v["cmp_ids"], v["target"], v["predict"], *g_o,
+        coeff=j.case.coeff, num_real=j.lay.num_real, precision=p), *(v[r] for r in st.reads))
+    return [j.numeric(n, e, b) for n, e, b in zip(st.writes, g_o, g_b) if n in j.got]
+
+
+STAGES = (
+    Stage("indexer_scores", "7", ("q_idx", "k_idx", "weights"), ("scores",), (torch.float32,),
+          _indexer,
+          lambda c, lay, v: ((v["q_idx"], v["k_idx"], v["weights"], lay, c.ratio), {}),
+          _judge_scores),
+    Stage("stable_topk", "4", ("scores",), ("cmp_ids", "cmp_lengths"),
+          (torch.int32, torch.int32), _csa,
+          lambda c, lay, v: ((v["scores"], c.topk), dict(order=c.order)),
+          _judge_topk),
+    Stage("build_csa_indices", "5", ("cmp_ids",), ("ids", "lengths"), (torch.int32, torch.int32),
+          lambda c: c.is_layer,
+          lambda c, lay, v: ((lay,), dict(window=c.window, ratio=c.ratio,
+                                          compressed_ids=v["cmp_ids"])),
+          _judge_rows),
+    Stage("sparse_attention_forward", "6", ("q", "kv", "ids", "sink", "att_lengths"),
+          ("out", "lse"), (IO, torch.float32), lambda c: True,
+          lambda c, lay, v: ((v["q"], v["kv"], v["ids"], v["sink"]),
+                             dict(v_dim=c.v_dim, lengths=v["att_lengths"])),
+          _judge_forward),
+    Stage("sparse_attention_backward", "6",
+          ("q", "kv", "ids", "sink", "out", "lse", "dout", "att_lengths"), _GRADS,
+          (IO, IO, torch.float32), lambda c: True,
+          lambda c, lay, v: ((v["q"], v["kv"], v["ids"], v["sink"], v["out"], v["lse"],
+                              v["dout"]), dict(v_dim=c.v_dim, lengths=v["att_lengths"])),
+          _judge_backward),
+    Stage("sparse_indexer_loss", "8", ("q", "kv_cmp", "sink", "lse", "cmp_ids", "scores"),
+          ("loss", "kl", "target", "predict"),
+          (torch.float32, torch.float32, torch.float32, torch.float32), _loss,
+          lambda c, lay, v: ((v["q"], v["kv_cmp"], v["sink"], v["lse"], v["cmp_ids"],
+                              v["scores"], lay), dict(coeff=c.coeff)),
+          _judge_loss),
+    Stage("sparse_indexer_loss_grad", "8",
+          ("q_idx", "k_idx", "weights", "cmp_ids", "target", "predict"),
+          ("dq_idx", "dw", "dk_idx"), (IO, IO, IO), lambda c: _indexer(c) and _loss(c),
+          lambda c, lay, v: ((v["q_idx"], v["k_idx"], v["weights"], v["cmp_ids"], v["target"],
+                              v["predict"]), dict(coeff=c.coeff, num_real=lay.num_real)),
+          _judge_loss_grad),
+)
+_PRODUCER = {w: s for s in STAGES for w in s.writes}
+
+# the quantities each stage's checks carry, for "not judged" rows
+_CHECKED = {"indexer_scores": (("scores", "numeric"),),
+            "stable_topk": (("cmp_ids", "topk"),),
+            "build_csa_indices": (("ids", "exact"), ("lengths", "exact")),
+            "sparse_attention_forward": (("out", "numeric"), ("lse", "numeric")),
+            "sparse_attention_backward": (("dq", "numeric"), ("dkv", "numeric"),
+                                          ("dsink", "numeric")),
+            "sparse_indexer_loss": (("loss", "numeric"), ("kl", "numeric"),
+                                    ("target", "numeric"), ("predict", "numeric")),
+            "sparse_indexer_loss_grad": (("dq_idx", "numeric"), ("dw", "numeric"),
+                                         ("dk_idx", "numeric"))}
+
+
+def _not_judged_stage(j: _Judging, st: Stage, reason: str) -> list:
+    return [_tagged(not_judged(q, kind, reason), q, blocked=True) for q, kind in _CHECKED[st.op]
+            if q in j.got]
+
+
+def _judge_stage(j: _Judging, st: Stage, pinned: str | None) -> list:
+    """One stage's checks, or its "not judged" rows when it reads an output the oracle cannot
+    consume (that output's own check failed on its non-finite pattern or shape)."""
+    reads = [_QUANTITY_OF.get(r, r) for r in st.reads]
+    blocked = [r for r in reads if r in j.blocked]
+    if blocked:
+        r = blocked[0]
+        return _not_judged_stage(j, st, f"it consumed {r}, which the oracle cannot take as an "
+                                        f"input ({j.blocked[r]})")
+    try:
+        if st.op == "sparse_attention_backward":
+            return _judge_backward(j, st, pinned)
+        return st.judge(j, st)
+    except (ValueError, TypeError, IndexError, RuntimeError) as exc:
+        failed_up = [r for r in reads if r in j.failed]
+        if failed_up:
+            return _not_judged_stage(j, st, f"the oracle rejects the consumed {failed_up[0]}, "
+                                            f"which failed its own check ({exc})")
+        q = next((q for q, _ in _CHECKED[st.op] if q in j.got), st.writes[0])
+        return [_tagged(CheckResult(f"judge: {st.op}", "error", False, None, None,
+                                    f"the oracle cannot evaluate {st.op} on the inputs it "
+                                    f"consumed: {type(exc).__name__}: {exc}"), q)]
+
+
+def judge(case, x: dict, got: dict, *, precision, consumed: dict | None = None,
+          cache: dict | None = None, maps: dict | None = None,
+          convention: str | None = None) -> list[CheckResult]:
     """Every check of ``got`` against the oracle on the consumed inputs (section 12).
 
     ``x``: the case's inputs as the implementation received them; ``got``: its outputs (only
     the quantities present are judged); ``consumed``: what each op was fed (defaults to
-    ``got``; intermediates missing from both come from ``x`` or the oracle); ``precision``:
-    the implementation's working precision for the error model. ``cache`` (a dict, per case)
-    memoises oracle evaluations on identical consumed inputs (op and layer levels of one
-    case). ``maps``, when a dict, receives per ``(row, head)`` error/bound maps of ``out``,
-    ``lse``, ``dq`` and the row flags ``padding`` and ``sink_only`` (for the report's heat map).
+    ``got``; intermediates missing from both come from ``x`` or the oracle, unrounded);
+    ``precision``: the implementation's working precision for the error model, one
+    :class:`~reference.error_model.Precision` or a mapping op -> ``Precision`` (or op ->
+    callable ``dtype -> Precision``). ``convention``: judge the attention backward under this
+    convention only (``"given"`` or ``"recomputed"``; default: ``consumed["backward_convention"]``
+    when the adapter pins one, else both). ``cache`` (a dict, per case) memoises oracle
+    evaluations on identical consumed inputs (op and layer levels of one case). ``maps``, when a
+    dict, receives per ``(row, head)`` error/bound maps of ``out``, ``lse``, ``dq`` and the row
+    flags ``padding`` and ``sink_only`` (for the report's heat map).
+
+    Stages are judged in pipeline order; a stage that reads an output whose own check found it
+    unusable (non-finite pattern or shape) reports its checks as not judged.
     """
+    if not isinstance(precision, (EM.Precision, Mapping)):
+        raise TypeError(f"precision must be a reference.error_model.Precision or a mapping op -> "
+                        f"Precision, got {type(precision).__name__}")
     con = dict(got if consumed is None else consumed)
-    lay = case.layout()
-    prec = precision
+    declared = con.pop("backward_convention", None)
+    not_run = con.pop("not_run", {})
+    pinned = convention if convention is not None else declared
+    if pinned is not None and pinned not in BACKWARD_CONVENTIONS:
+        raise ValueError(f"convention must be one of {BACKWARD_CONVENTIONS} or None, got "
+                         f"{pinned!r}")
+    j = _Judging(case, x, got, con, precision, cache, maps)
+    stages = [st for st in STAGES if st.applies(case) and any(w in got for w in st.writes)]
+    for st in stages:                    # a usage error, not a verdict: raise before judging
+        j.prec(st.op)
     v: list[CheckResult] = []
-    xc = {k: t.detach().to("cpu") for k, t in x.items()}
-    cpu = lambda t: None if t is None else t.detach().to("cpu")  # noqa: E731
-    memo = lambda name, fn, *parts: _memo(cache, name, fn, prec, *parts)  # noqa: E731
-
-    if case.is_layer:
-        cmp_ids = None
-        if case.layer == "csa":
-            b_s = None
-            if case.scores == "indexer":
-                s_o = memo("scores", lambda: R.indexer_scores(
-                    xc["q_idx"], xc["k_idx"], xc["weights"], lay, case.ratio),
-                    xc["q_idx"], xc["k_idx"], xc["weights"])
-                b_s = memo("scores_bound", lambda: EM.indexer_scores_bound(
-                    xc["q_idx"], xc["k_idx"], xc["weights"], lay, case.ratio, s_o,
-                    precision=prec), xc["q_idx"], xc["k_idx"], xc["weights"])
-                if "scores" in got:
-                    v.append(_tagged(_numeric("scores", got["scores"], s_o, b_s), "scores"))
-            else:
-                s_o = xc["index_scores"].to(F64)
-            scores = cpu(con.get("scores", got.get("scores")))
-            if scores is None:
-                scores = s_o
-            if "cmp_ids" in got:
-                # Top-K of the consumed scores: exact sets, lengths and the case's order policy
-                t_ids, t_len = R.stable_topk(scores, case.topk, order=case.order)
-                v.append(_tagged(compare_topk(got["cmp_ids"], got["cmp_lengths"], t_ids, t_len,
-                                              order=case.order,
-                                              name="cmp_ids (consumed scores)"), "cmp_ids"))
-                if "scores" in got and case.topk >= 1:
-                    # the oracle's own selection, as sets, rows whose K-th and (K+1)-th scores
-                    # are within a few float32 ulps or within their error bounds excluded
-                    o_ids, o_len = R.stable_topk(s_o, case.topk, order=case.order)
-                    ties = near_tie_rows(s_o, case.topk, bound=b_s)
-                    v.append(_tagged(compare_topk(got["cmp_ids"], got["cmp_lengths"], o_ids,
-                                                  o_len, near_tie_rows=ties,
-                                                  name="cmp_ids (oracle scores, sets)"),
-                                     "cmp_ids"))
-            cmp_ids = cpu(con.get("cmp_ids"))
-            if cmp_ids is None:
-                cmp_ids, _ = R.stable_topk(scores, case.topk, order=case.order)
-        if "ids" in got:
-            r_ids, r_len = R.build_csa_indices(lay, window=case.window, ratio=case.ratio,
-                                               compressed_ids=cmp_ids)
-            v.append(_tagged(compare_exact("ids", got["ids"], r_ids), "ids"))
-            v.append(_tagged(compare_exact("lengths", got["lengths"], r_len), "lengths"))
-        ids_c, len_c = cpu(con.get("ids")), cpu(con.get("lengths"))
-        if ids_c is None:
-            ids_c, len_c = R.build_csa_indices(lay, window=case.window, ratio=case.ratio,
-                                               compressed_ids=cmp_ids)
-        if case.lengths != "layer":
-            len_c = None
-    else:
-        ids_c, len_c = xc["ids"], xc.get("lengths")
-
-    q, kv, sink, dout = xc["q"], xc["kv"], xc["sink"], xc["dout"]
-    need_fwd = any(k in got for k in ("out", "lse", "dq", "dkv", "dsink"))
-    if need_fwd or maps is not None:
-        out_o, lse_o = memo("fwd", lambda: R.sparse_attention_forward(
-            q, kv, ids_c, sink, v_dim=case.v_dim, lengths=len_c), q, kv, ids_c, sink, len_c)
-        empty = torch.isinf(lse_o[:, 0]) if lse_o.numel() else torch.zeros(lay.num_rows,
-                                                                            dtype=torch.bool)
-        if maps is not None:
-            maps["padding"] = ~lay.is_real
-            maps["sink_only"] = empty
-    if "out" in got:
-        b_out, b_lse = memo("fwd_bound", lambda: EM.attention_forward_bound(
-            q, kv, ids_c, sink, out_o, lse_o, precision=prec, v_dim=case.v_dim, lengths=len_c),
-            q, kv, ids_c, sink, len_c)
-        v.append(_tagged(_numeric("out", got["out"], out_o, b_out), "out"))
-        v.append(_tagged(_numeric("lse", got["lse"], lse_o, b_lse), "lse"))
-        g_out, g_lse = cpu(got["out"]), cpu(got["lse"])
-        if g_out.shape == out_o.shape:
-            v.append(_tagged(compare_exact("sink-only rows: out == 0", g_out[empty],
-                                           torch.zeros_like(out_o[empty])), "sink_only"))
-        if g_lse.shape == lse_o.shape:
-            v.append(_tagged(compare_exact("sink-only rows: lse == +inf", g_lse[empty],
-                                           lse_o[empty].to(g_lse.dtype)), "sink_only"))
-        if maps is not None:
-            if g_out.shape == out_o.shape:
-                maps["out"] = error_ratio_map(g_out, out_o, b_out)
-            if g_lse.shape == lse_o.shape:
-                maps["lse"] = error_ratio_map(g_lse, lse_o, b_lse)
-    out_i, lse_i = cpu(con.get("out")), cpu(con.get("lse"))
-    if out_i is None and need_fwd:
-        out_i, lse_i = out_o, lse_o
-    if "dq" in got:
-        dq_o, dkv_o, ds_o = memo("bwd", lambda: R.sparse_attention_backward(
-            q, kv, ids_c, sink, out_i, lse_i, dout, v_dim=case.v_dim, lengths=len_c),
-            q, kv, ids_c, sink, out_i, lse_i, dout, len_c)
-        b_dq, b_dkv, b_ds = memo("bwd_bound", lambda: EM.attention_backward_bound(
-            q, kv, ids_c, sink, out_i, lse_i, dout, dq_o, dkv_o, ds_o, precision=prec,
-            v_dim=case.v_dim, lengths=len_c), q, kv, ids_c, sink, out_i, lse_i, dout, len_c)
-        v.append(_tagged(_numeric("dq", got["dq"], dq_o, b_dq), "dq"))
-        v.append(_tagged(_numeric("dkv", got["dkv"], dkv_o, b_dkv), "dkv"))
-        v.append(_tagged(_numeric("dsink", got["dsink"], ds_o, b_ds), "dsink"))
-        g_dq = cpu(got["dq"])
-        if g_dq.shape == dq_o.shape:
-            v.append(_tagged(compare_exact("sink-only rows: dq == 0", g_dq[empty],
-                                           torch.zeros_like(dq_o[empty])), "sink_only"))
-            if maps is not None:
-                maps["dq"] = error_ratio_map(g_dq, dq_o, b_dq)
-    if "loss" in got or "dq_idx" in got:
-        scores = cpu(con["scores"]) if "scores" in con else xc.get("index_scores")
-        cmp = cpu(con["cmp_ids"])
-        if "loss" in got:
-            L = memo("loss", lambda: R.sparse_indexer_loss(
-                q, xc["kv_cmp"], sink, lse_i, cmp, scores, lay, coeff=case.coeff),
-                q, xc["kv_cmp"], sink, lse_i, cmp, scores, case.coeff)
-            LB = memo("loss_bound", lambda: EM.indexer_loss_bound(
-                q, xc["kv_cmp"], sink, lse_i, cmp, scores, lay, L, coeff=case.coeff,
-                precision=prec), q, xc["kv_cmp"], sink, lse_i, cmp, scores, case.coeff)
-            for name in ("loss", "kl", "target", "predict"):
-                v.append(_tagged(_numeric(name, got[name], getattr(L, name),
-                                                 getattr(LB, name)), name))
-        if "dq_idx" in got:
-            tgt, prd = cpu(con["target"]), cpu(con["predict"])
-            g_o = memo("grad", lambda: R.sparse_indexer_loss_grad(
-                xc["q_idx"], xc["k_idx"], xc["weights"], cmp, tgt, prd, coeff=case.coeff,
-                num_real=lay.num_real), xc["q_idx"], xc["k_idx"], xc["weights"], cmp, tgt, prd,
-                case.coeff)
-            g_b = memo("grad_bound", lambda: EM.indexer_loss_grad_bound(
-                xc["q_idx"], xc["k_idx"], xc["weights"], cmp, tgt, prd, *g_o, coeff=case.coeff,
-                num_real=lay.num_real, precision=prec), xc["q_idx"], xc["k_idx"],
-                xc["weights"], cmp, tgt, prd, case.coeff)
-            for name, o, bb in zip(("dq_idx", "dw", "dk_idx"), g_o, g_b):
-                v.append(_tagged(_numeric(name, got[name], o, bb), name))
+    for st in stages:
+        for c in _judge_stage(j, st, pinned):
+            q = c.extra.get("quantity")
+            if not c.passed:
+                j.failed.add(q)
+            if _unusable(c):
+                j.blocked.setdefault(q, c.detail)
+            elif c.extra.get("blocked"):
+                j.blocked.setdefault(q, c.extra["not_judged"])
+            v.append(c)
+    for st in STAGES:
+        if st.op in not_run:
+            v += [_tagged(not_judged(q, kind, f"{st.op} did not run: {not_run[st.op]}"), q)
+                  for q, kind in _CHECKED[st.op]]
+    if maps is not None:
+        maps["padding"] = ~j.lay.is_real
+        try:
+            maps["sink_only"] = _sink_only_rows(j)
+        except (ValueError, TypeError, IndexError, RuntimeError):
+            pass                         # the ids are unusable: their failure is reported
     return v
-

@@ -59,6 +59,8 @@ def plot_ratio_grid(result, path: str) -> bool:
     for i, o in enumerate(outcomes):
         for c in o.checks:
             j = cols.index(c.extra.get("quantity"))
+            if not c.judged:              # a check that cannot fail shows as not checked
+                continue
             status[i, j] = min(1.0 if np.isnan(status[i, j]) else status[i, j], float(c.passed))
             if c.ratio is not None:
                 r = _ratio(c.ratio)

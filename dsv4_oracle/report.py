@@ -3,7 +3,9 @@ versioned schema: :data:`SCHEMA_VERSION`, checked by :func:`validate_report`), `
 PNG plots and a JUnit XML file.
 
 - terminal: one row per quantity (worst error/bound ratio over every case and level, failures
-  first), then every failing check with its pointed message, then the verdict;
+  first; checks that could not be judged counted apart), then every failing check with its
+  pointed message, the backward convention the implementation follows (contract section 6),
+  then the verdict;
 - ``report.json``: every check of every case (:func:`report_dict`);
 - ``ratios.png``: error/bound per case (rows) and quantity (columns), log colour scale centred
   on the bound (ratio 1); exact and determinism checks as pass/fail cells;
@@ -21,14 +23,17 @@ import xml.etree.ElementTree as ET
 
 import torch
 
-from .conformance import QUANTITIES
+from .compare import STATUSES
+from .conformance import BACKWARD_CONVENTIONS, QUANTITIES
 from .runner import LEVELS, RunResult
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "quantity_rows", "report_dict", "validate_report",
-           "format_summary", "write_report", "write_junit", "fmt_ratio"]
+           "format_summary", "write_report", "write_junit", "fmt_ratio", "backward_conventions"]
 
 SCHEMA = "dsv4-oracle/check-report"
-SCHEMA_VERSION = 1
+# 2: every check has a status (passed / failed / not_judged); the summary counts checks not
+# judged and the backward convention per level; quantities count their not-judged checks
+SCHEMA_VERSION = 2
 CHECK_KINDS = ("numeric", "exact", "topk", "replay", "grad_mode", "no_mutation", "error")
 NUMERIC = tuple(q for q in QUANTITIES if q in (
     "scores", "out", "lse", "dq", "dkv", "dsink", "loss", "kl", "target", "predict", "dq_idx",
@@ -63,12 +68,15 @@ def quantity_rows(result: RunResult) -> list[dict]:
             q = c.extra.get("quantity", "run")
             lv = c.extra.get("level", "op")
             r = rows.setdefault(q, {"quantity": q, "section": QUANTITIES.get(q, ("-", ""))[0],
-                                    "levels": [], "checks": 0, "failed": 0, "worst_ratio": None,
-                                    "worst_case": None, "worst_level": None,
+                                    "levels": [], "checks": 0, "failed": 0, "not_judged": 0,
+                                    "worst_ratio": None, "worst_case": None, "worst_level": None,
                                     "first_failure": None})
             if lv not in r["levels"]:
                 r["levels"].append(lv)
             r["checks"] += 1
+            if not c.judged:
+                r["not_judged"] += 1
+                continue
             if not c.passed:
                 r["failed"] += 1
                 if r["first_failure"] is None:
@@ -100,9 +108,39 @@ def _worst(result: RunResult):
     best = None
     for o in result.outcomes:
         for c in o.checks:
-            if c.ratio is not None and (best is None or _ratio_key(c.ratio) > _ratio_key(best[0])):
+            if c.judged and c.ratio is not None and (best is None or _ratio_key(c.ratio)
+                                                     > _ratio_key(best[0])):
                 best = (c.ratio, o.case.id, c.extra.get("level"), c.extra.get("quantity"))
     return best
+
+
+def backward_conventions(result: RunResult) -> dict:
+    """Per level, how many cases' attention backward holds under each convention of contract
+    section 6 (``"given"``: ``Delta`` from the ``out`` it was handed; ``"recomputed"``: from its
+    own forward), and how many hold under none (``"none"``)."""
+    out: dict = {}
+    for o in result.outcomes:
+        seen = {}
+        for c in o.checks:
+            conv = c.extra.get("convention")
+            if conv is not None:
+                lv = c.extra.get("level", "op")
+                seen[lv] = conv if c.extra.get("convention_holds") else "none"
+        for lv, conv in seen.items():
+            d = out.setdefault(lv, {})
+            d[conv] = d.get(conv, 0) + 1
+    return out
+
+
+def _conventions_line(conv: dict) -> str | None:
+    if not conv:
+        return None
+    parts = []
+    for lv, d in conv.items():
+        parts.append(f"{lv}: " + ", ".join(f"{k} in {n} case{'s' * (n != 1)}"
+                                           for k, n in sorted(d.items())))
+    return ("backward convention (contract section 6; 'given': Delta from the out it was "
+            "handed, 'recomputed': from its own forward): " + "; ".join(parts))
 
 
 def _json_ratio(r):
@@ -120,6 +158,7 @@ def report_dict(result: RunResult, *, argv=None) -> dict:
         checks = []
         for c in o.checks:
             d = c.to_dict()
+            d["status"] = c.status
             d["quantity"] = c.extra.get("quantity", "run")
             d["level"] = c.extra.get("level", "op")
             checks.append(d)
@@ -131,6 +170,7 @@ def report_dict(result: RunResult, *, argv=None) -> dict:
             "checks": checks})
     n_checks = sum(len(o.checks) for o in result.outcomes)
     n_failed = sum(len(o.failed_checks) for o in result.outcomes)
+    n_not_judged = sum(not c.judged for o in result.outcomes for c in o.checks)
     return {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
@@ -146,6 +186,8 @@ def report_dict(result: RunResult, *, argv=None) -> dict:
         "summary": {"cases": len(result.outcomes),
                     "cases_failed": sum(not o.passed for o in result.outcomes),
                     "checks": n_checks, "checks_failed": n_failed,
+                    "checks_not_judged": n_not_judged,
+                    "backward_conventions": backward_conventions(result),
                     "worst_ratio": _json_ratio(worst[0]) if worst else None,
                     "worst": ({"case": worst[1], "level": worst[2], "quantity": worst[3]}
                               if worst else None)},
@@ -160,21 +202,23 @@ def report_dict(result: RunResult, *, argv=None) -> dict:
 # ---------------------------------------------------------------------------------------------
 _NUM = (int, float)
 _RATIO = (int, float, str, type(None))
-# key -> allowed types, per object of the report (version 1); extra keys are allowed
+# key -> allowed types, per object of the report (version 2); extra keys are allowed
 _TOP = {"schema": str, "schema_version": int, "passed": bool, "tool": dict, "machine": dict,
         "run": dict, "summary": dict, "quantities": list, "cases": list}
 _RUN = {"impl": str, "adapter": str, "device": str, "ops": list, "catalog": str,
         "case_patterns": list, "replays": int, "started_utc": str, "elapsed_s": _NUM,
         "argv": list}
 _SUMMARY = {"cases": int, "cases_failed": int, "checks": int, "checks_failed": int,
+            "checks_not_judged": int, "backward_conventions": dict,
             "worst_ratio": _RATIO, "worst": (dict, type(None))}
 _QUANTITY = {"quantity": str, "section": str, "levels": list, "checks": int, "failed": int,
+             "not_judged": int,
              "worst_ratio": _RATIO, "worst_case": (str, type(None)),
              "worst_level": (str, type(None)), "first_failure": (str, type(None))}
 _CASE = {"id": str, "passed": bool, "error": (str, type(None)), "elapsed_s": _NUM,
          "categories": list, "case": dict, "precision": dict, "backends": dict, "checks": list}
 _CHECK = {"name": str, "kind": str, "level": str, "quantity": str, "passed": bool,
-          "ratio": _RATIO, "mismatches": (int, type(None)), "detail": str}
+          "status": str, "ratio": _RATIO, "mismatches": (int, type(None)), "detail": str}
 
 
 def _fields(obj, spec: dict, where: str, problems: list) -> None:
@@ -197,9 +241,10 @@ def _ratio_ok(r) -> bool:
 
 
 def validate_report(d) -> list[str]:
-    """Problems of a ``report.json`` dict against schema version 1 (empty when it conforms):
-    required keys and types, enumerations (check kinds, levels, quantities), ratios (a
-    non-negative number, ``"inf"``, ``"nan"`` or null), and consistency (counts, verdicts)."""
+    """Problems of a ``report.json`` dict against schema version 2 (empty when it conforms):
+    required keys and types, enumerations (check kinds, statuses, levels, quantities,
+    conventions), ratios (a non-negative number, ``"inf"``, ``"nan"`` or null), and consistency
+    (status against ``passed``, counts, verdicts)."""
     p: list[str] = []
     _fields(d, _TOP, "report", p)
     if p:
@@ -214,7 +259,7 @@ def validate_report(d) -> list[str]:
         _fields(q, _QUANTITY, f"quantities[{i}]", p)
         if isinstance(q, dict) and not _ratio_ok(q.get("worst_ratio")):
             p.append(f"quantities[{i}].worst_ratio: {q.get('worst_ratio')!r} is not a ratio")
-    n_checks = n_failed = n_cases_failed = 0
+    n_checks = n_failed = n_not_judged = n_cases_failed = 0
     for i, c in enumerate(d["cases"]):
         where = f"cases[{i}]"
         _fields(c, _CASE, where, p)
@@ -234,10 +279,16 @@ def validate_report(d) -> list[str]:
                 p.append(f"{w}.quantity: {ch.get('quantity')!r} is not a known quantity")
             if not _ratio_ok(ch.get("ratio")):
                 p.append(f"{w}.ratio: {ch.get('ratio')!r} is not a ratio")
-            if ch.get("kind") == "numeric" and ch.get("passed") is True and \
+            status = ch.get("status")
+            if status not in STATUSES:
+                p.append(f"{w}.status: {status!r} not in {STATUSES}")
+            elif (status == "failed") is not (ch.get("passed") is False):
+                p.append(f"{w}: status {status!r} contradicts passed {ch.get('passed')!r}")
+            if ch.get("kind") == "numeric" and status == "passed" and \
                     not (isinstance(ch.get("ratio"), (int, float)) and ch["ratio"] <= 1):
                 p.append(f"{w}: a passing numeric check must have a ratio <= 1")
             n_checks += 1
+            n_not_judged += status == "not_judged"
             failed_here += ch.get("passed") is False
         n_failed += failed_here
         expect = failed_here == 0 and c.get("error") is None
@@ -246,9 +297,18 @@ def validate_report(d) -> list[str]:
         n_cases_failed += not expect
     s = d["summary"]
     for k, want in (("cases", len(d["cases"])), ("checks", n_checks),
-                    ("checks_failed", n_failed), ("cases_failed", n_cases_failed)):
+                    ("checks_failed", n_failed), ("checks_not_judged", n_not_judged),
+                    ("cases_failed", n_cases_failed)):
         if s.get(k) != want:
             p.append(f"summary.{k} is {s.get(k)}, the cases say {want}")
+    conv = s.get("backward_conventions")
+    if isinstance(conv, dict):
+        for lv, counts in conv.items():
+            if lv not in LEVELS or not isinstance(counts, dict) or any(
+                    k not in BACKWARD_CONVENTIONS + ("none",) or not isinstance(n, int)
+                    for k, n in counts.items()):
+                p.append(f"summary.backward_conventions[{lv!r}]: {counts!r} is not a count per "
+                         f"convention of {BACKWARD_CONVENTIONS + ('none',)}")
     if d["passed"] is not (n_cases_failed == 0 and len(d["cases"]) > 0):
         p.append(f"report.passed is {d['passed']}, the cases say {n_cases_failed == 0}")
     return p
@@ -284,10 +344,12 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
         status = "FAIL" if r["failed"] else "ok"
         worst = fmt_ratio(r["worst_ratio"]) if r["worst_ratio"] is not None else "exact"
         where = f"{r['worst_case']} [{r['worst_level']}]" if r["worst_case"] else ""
+        judged = r["checks"] - r["not_judged"]
         rows.append([status, r["quantity"], r["section"], "/".join(r["levels"]),
-                     f"{r['checks'] - r['failed']}/{r['checks']}", worst, where])
-    lines = _table(["", "quantity", "section", "level", "passed", "worst ratio", "worst case"],
-                   rows)
+                     f"{judged - r['failed']}/{judged}", str(r["not_judged"] or ""), worst,
+                     where])
+    lines = _table(["", "quantity", "section", "level", "passed", "not judged", "worst ratio",
+                    "worst case"], rows)
     for i, line in enumerate(lines):
         if i >= 2 and line.startswith("FAIL"):
             line = _paint(line, "red", color)
@@ -295,7 +357,12 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
             line = _paint("ok", "green", color) + line[2:]
         out.append(line)
     out.append("(ratio = max |implementation - oracle| / bound of the error model, section 12; "
-               "<= 1 passes; 'exact' = checked for equality)")
+               "<= 1 passes; 'exact' = checked for equality; 'not judged' = checks that cannot "
+               "fail: every element ill-conditioned (bound >= |oracle|), nothing to compare, or "
+               "an upstream output the oracle cannot consume)")
+    conv = _conventions_line(backward_conventions(result))
+    if conv:
+        out.append(conv)
     errors = [o for o in result.outcomes if o.error]
     fails = [(o, c) for o in result.outcomes for c in o.failed_checks]
     if errors or fails:
@@ -311,24 +378,27 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
         out.append("")
         out.append("cases:")
         for o in result.outcomes:
-            worst = max((c.ratio for c in o.checks if c.ratio is not None), default=None,
-                        key=_ratio_key)
+            worst = max((c.ratio for c in o.checks if c.ratio is not None and c.judged),
+                        default=None, key=_ratio_key)
             out.append(f"  {'ok  ' if o.passed else 'FAIL'} {o.case.id:34s} worst ratio "
                        f"{fmt_ratio(worst):>8s}  {o.elapsed_s:6.2f} s  "
                        f"{len(o.checks)} checks")
     n_checks = sum(len(o.checks) for o in result.outcomes)
     n_failed = sum(len(o.failed_checks) for o in result.outcomes)
+    n_nj = sum(not c.judged for o in result.outcomes for c in o.checks)
+    nj = f" ({n_nj} not judged)" if n_nj else ""
     bad_cases = sum(not o.passed for o in result.outcomes)
     worst = _worst(result)
     out.append("")
     if result.passed:
         w = (f"; worst ratio {fmt_ratio(worst[0])} ({worst[3]}, {worst[1]} [{worst[2]}])"
              if worst else "")
-        out.append(_paint(f"PASS: {n_checks} checks on {len(result.outcomes)} cases{w} "
-                          f"in {result.elapsed_s:.1f} s", "green", color))
+        out.append(_paint(f"PASS: {n_checks - n_nj} checks passed{nj} on "
+                          f"{len(result.outcomes)} cases{w} in {result.elapsed_s:.1f} s",
+                          "green", color))
     else:
         out.append(_paint(f"FAIL: {n_failed} of {n_checks} checks failed in {bad_cases} of "
-                          f"{len(result.outcomes)} cases ({result.elapsed_s:.1f} s)", "red",
+                          f"{len(result.outcomes)} cases ({result.elapsed_s:.1f} s){nj}", "red",
                           color))
     return "\n".join(out)
 
@@ -337,13 +407,16 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
 # files
 # ---------------------------------------------------------------------------------------------
 def write_junit(result: RunResult, path: str) -> None:
-    """JUnit XML: one testcase per (case, level, check); failures carry the pointed message."""
+    """JUnit XML: one testcase per (case, level, check); failures carry the pointed message,
+    checks that could not be judged are skipped with the reason."""
     n = sum(len(o.checks) + (1 if o.error else 0) for o in result.outcomes)
     fails = sum(len(o.failed_checks) for o in result.outcomes)
     errs = sum(1 for o in result.outcomes if o.error)
+    skipped = sum(not c.judged for o in result.outcomes for c in o.checks)
     suites = ET.Element("testsuites")
     suite = ET.SubElement(suites, "testsuite", name=f"dsv4-oracle check {result.adapter.spec}",
-                          tests=str(n), failures=str(fails), errors=str(errs), skipped="0",
+                          tests=str(n), failures=str(fails), errors=str(errs),
+                          skipped=str(skipped),
                           time=f"{result.elapsed_s:.3f}", timestamp=result.started_utc)
     for o in result.outcomes:
         share = o.elapsed_s / max(len(o.checks), 1)
@@ -357,6 +430,8 @@ def write_junit(result: RunResult, path: str) -> None:
             if not c.passed:
                 msg = f"{c.name} ({c.kind}): {c.detail}"
                 ET.SubElement(tc, "failure", message=msg, type=c.kind).text = msg
+            elif not c.judged:
+                ET.SubElement(tc, "skipped", message=c.detail)
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     ET.ElementTree(suites).write(path, encoding="utf-8", xml_declaration=True)
@@ -371,7 +446,9 @@ def _markdown(d: dict, images: list[str]) -> str:
               + (f", cases matching {', '.join(run['case_patterns'])}" if run['case_patterns']
                  else "")
               + f"; {s['cases']} cases, {s['checks']} checks, replays {run['replays']}",
-              f"- result: {s['checks'] - s['checks_failed']}/{s['checks']} checks passed, "
+              f"- result: {s['checks'] - s['checks_failed'] - s['checks_not_judged']}/"
+              f"{s['checks'] - s['checks_not_judged']} judged checks passed, "
+              f"{s['checks_not_judged']} not judged; "
               f"{s['cases'] - s['cases_failed']}/{s['cases']} cases passed",
               f"- worst ratio: {fmt_ratio(s['worst_ratio'])}"
               + (f" ({s['worst']['quantity']}, case {s['worst']['case']} "
@@ -382,16 +459,24 @@ def _markdown(d: dict, images: list[str]) -> str:
               f"{d['tool']['oracle']}, dsv4-oracle {d['tool']['dsv4_oracle']}",
               "", "Ratio = max |implementation - oracle| / bound of the contract's error model "
               "(section 12); a check passes iff its ratio is <= 1. Exact checks (Top-K, ids, "
-              "lengths, sink-only rows, replays, grad modes, inputs) compare for equality.", "",
-              "## Quantities", "",
-              "| | quantity | section | level | passed | worst ratio | worst case |",
-              "|---|---|---|---|---|---|---|"]
+              "lengths, sink-only rows, replays, grad modes, inputs) compare for equality. A check "
+              "is not judged when it cannot fail: every element ill-conditioned (its bound "
+              "reaches the oracle's magnitude), nothing to compare, or an upstream output the "
+              "oracle cannot consume; it is counted, never as a pass.", ""]
+    conv = _conventions_line(s["backward_conventions"])
+    if conv:
+        lines += ["- " + conv, ""]
+    lines += ["## Quantities", "",
+              "| | quantity | section | level | passed | not judged | worst ratio | worst case |",
+              "|---|---|---|---|---|---|---|---|"]
     for q in d["quantities"]:
         worst = fmt_ratio(q["worst_ratio"]) if q["worst_ratio"] is not None else "exact"
         where = f"{q['worst_case']} [{q['worst_level']}]" if q["worst_case"] else ""
+        judged = q["checks"] - q["not_judged"]
         lines.append(f"| {'**FAIL**' if q['failed'] else 'ok'} | {q['quantity']} | "
                      f"{q['section']} | {'/'.join(q['levels'])} | "
-                     f"{q['checks'] - q['failed']}/{q['checks']} | {worst} | {where} |")
+                     f"{judged - q['failed']}/{judged} | {q['not_judged'] or ''} | {worst} | "
+                     f"{where} |")
     fails = [(c, ch) for c in d["cases"] for ch in c["checks"] if not ch["passed"]]
     errors = [c for c in d["cases"] if c["error"]]
     if fails or errors:
@@ -411,7 +496,8 @@ def _markdown(d: dict, images: list[str]) -> str:
     lines += ["", "## Cases", "", "| | case | worst ratio | checks | time (s) | backends |",
               "|---|---|---|---|---|---|"]
     for c in d["cases"]:
-        ratios = [ch["ratio"] for ch in c["checks"] if ch["ratio"] is not None]
+        ratios = [ch["ratio"] for ch in c["checks"]
+                  if ch["ratio"] is not None and ch["status"] != "not_judged"]
         worst = max(ratios, key=lambda r: math.inf if isinstance(r, str) else r, default=None)
         backends = "; ".join(f"{lv}: " + ", ".join(sorted(set(b.values())))
                              for lv, b in c["backends"].items() if b)

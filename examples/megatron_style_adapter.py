@@ -22,9 +22,10 @@ replace the two functions' bodies with calls into your code.
 
 Note: a backward that ignores the saved ``out`` and recomputes the forward under autograd
 (``torch.autograd.grad`` through the float32 forward) computes ``Delta = <dO, out>`` from the
-unrounded float32 output instead of the bf16 ``out`` it was given; the checker reports that as
-``dsink``/``dq`` ratios of about 1 to 100 (contract section 6 defines the backward on the given
-``out`` and ``lse``).
+unrounded float32 output instead of the bf16 ``out`` it was given. Contract section 6 allows
+both conventions; the checker judges the backward under each ("given" and "recomputed") and
+reports the one that holds. An adapter may pin its convention with the attribute
+``backward_convention``.
 """
 from __future__ import annotations
 

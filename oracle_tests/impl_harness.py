@@ -111,10 +111,12 @@ def judge(impl: Impl, case: Case, x: dict, got: dict) -> list[C.CheckResult]:
 
 def assert_checks(checks: list, label: str = "") -> None:
     """Fail with every failing check; print the whole table (``pytest -rA -s`` shows it):
-    numeric rows give error/bound ratios, exact rows mismatch counts."""
+    numeric rows give error/bound ratios, exact rows mismatch counts; ``n/j`` marks a check
+    that could not be judged (section 12: ill-conditioned, or nothing to compare)."""
     def row(c):
         r = "" if c.ratio is None else f"ratio={c.ratio:.3g}"
-        return f"  {'ok ' if c.passed else 'BAD'} {c.kind:10s} {c.name:42s} {r:14s} {c.detail}"
+        mark = {"passed": "ok ", "failed": "BAD", "not_judged": "n/j"}[c.status]
+        return f"  {mark} {c.kind:10s} {c.name:42s} {r:14s} {c.detail}"
     table = "\n".join(row(c) for c in checks)
     print(f"{label}\n{table}")
     bad = [c for c in checks if not c.passed]

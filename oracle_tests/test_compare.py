@@ -88,6 +88,42 @@ def test_numeric_shape_mismatch_fails_and_bad_bound_raises():
         compare_numeric(3, e, e, torch.ones(3, 4))
 
 
+def test_numeric_ill_conditioned_elements_are_not_judged():
+    """Section 12, power: an element whose bound reaches |expected| is counted as not judged;
+    the ratio of a passing check comes from the judged elements only."""
+    e = torch.tensor([1.0, 1e-6, 0.0], dtype=torch.float64)
+    b = torch.tensor([0.01, 1e-5, 1e-7], dtype=torch.float64)
+    r = compare_numeric("x", e + torch.tensor([0.0025, 9e-6, 9e-8], dtype=torch.float64), e, b)
+    assert r.passed and r.judged and r.status == "passed"
+    assert r.ratio == pytest.approx(0.25) and r.extra["worst_index"] == [0]
+    assert r.extra["ill_conditioned"] == 2 and "2 of 3 elements not judged" in r.detail
+
+
+def test_numeric_all_ill_conditioned_is_not_judged_never_a_pass():
+    e = torch.tensor([1e-6, 0.0, -2e-6], dtype=torch.float64)
+    r = compare_numeric("dsink", e * 1.5, e, torch.full((3,), 1e-5, dtype=torch.float64))
+    assert r.status == "not_judged" and not r.judged and r.passed
+    assert r.detail.startswith("not judged: all 3 elements ill-conditioned")
+    assert r.to_dict()["status"] == "not_judged"
+    empty = compare_numeric("x", torch.zeros(0), torch.zeros(0), torch.zeros(0))
+    assert empty.status == "not_judged"
+    assert compare_exact("x", torch.zeros(0), torch.zeros(0)).status == "not_judged"
+
+
+def test_numeric_ill_conditioned_element_over_its_bound_still_fails():
+    e = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    b = torch.tensor([0.01, 1e-7], dtype=torch.float64)
+    r = compare_numeric("x", torch.tensor([1.0, 1e-6], dtype=torch.float64), e, b)
+    assert not r.passed and r.status == "failed" and r.ratio == pytest.approx(10.0)
+    assert r.extra["worst_index"] == [1] and r.mismatches == 1
+
+
+def test_a_failed_check_is_judged():
+    with pytest.raises(ValueError, match="judged"):
+        CheckResult("x", "numeric", False, judged=False)
+    assert CheckResult("x", "numeric", False).status == "failed"
+
+
 # ---------------------------------------------------------------------------------------------
 # compare_exact
 # ---------------------------------------------------------------------------------------------
