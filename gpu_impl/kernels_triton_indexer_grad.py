@@ -138,7 +138,8 @@ def indexer_loss_grad(q, k, w, ids, tau, p, gs: float, scale: float, e: float, *
     ``q`` ``[T, H_I, D_I]``, ``k`` ``[C, D_I]``, ``w`` ``[T, H_I]`` (half precision), ``ids``
     ``[T, Kc]`` (any integer dtype; entries outside ``[0, C)`` are invalid slots), ``tau``/``p``
     ``[T, Kc]`` float; ``gs = coeff / N * grad_loss``, ``e`` the gradient floor. Inputs are
-    only read. ``stats`` (a dict) receives the chunk count."""
+    only read. ``stats`` (a dict) receives the chunk count, and with ``stats["time"]`` true the
+    CUDA-event milliseconds of the row pass, the sort and the fold."""
     cfg = dict(GRAD_CONFIG)
     for name, val in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
                       ("fold_block", fold_block), ("fold_warps", fold_warps)):
@@ -165,16 +166,26 @@ def indexer_loss_grad(q, k, w, ids, tau, p, gs: float, scale: float, e: float, *
     buf = torch.empty((step * Kc, DI), dtype=F32, device=dev)
     BH, BD = _pow2(HI), _pow2(DI)
     chunks = 0
+    timed = stats is not None and stats.get("time")
+    marks = []
+
+    def mark():
+        if timed:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            marks.append(ev)
     for r0 in range(0, T, step):
         r1 = min(r0 + step, T)
         n = r1 - r0
         chunks += 1
+        mark()
         _rows_kernel[(n,)](
             q, k, w, ids, tau, p, dq, dw, buf, r0, HI, DI, C, Kc, float(gs), float(scale),
             float(e), q.stride(0), q.stride(1), k.stride(0), w.stride(0), ids.stride(0),
             tau.stride(0), p.stride(0), dq.stride(0), dq.stride(1), dw.stride(0),
             BLOCK_H=BH, BLOCK_D=BD, BLOCK_N=cfg["block_n"], num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
+        mark()
         if C == 0:
             continue
         flat = ids[r0:r1].reshape(-1)
@@ -182,8 +193,14 @@ def indexer_loss_grad(q, k, w, ids, tau, p, gs: float, scale: float, e: float, *
                           torch.full((), C, dtype=torch.int32, device=dev))
         key, order = torch.sort(key, stable=True)
         offsets = torch.searchsorted(key, torch.arange(C + 1, dtype=torch.int32, device=dev))
+        mark()
         _fold_kernel[(C,)](buf, order, offsets, dk32, DI, BLOCK_E=cfg["fold_block"],
                            BLOCK_D=BD, num_warps=cfg["fold_warps"])
+        mark()
     if stats is not None:
         stats.update(chunks=chunks, rows_per_chunk=step)
+        if timed and len(marks) == 4 * chunks:
+            torch.cuda.synchronize(dev)
+            ms = [a.elapsed_time(b) for a, b in zip(marks[:-1], marks[1:])]
+            stats.update(rows_ms=sum(ms[0::4]), sort_ms=sum(ms[1::4]), fold_ms=sum(ms[2::4]))
     return dq, dw, dk32.to(k.dtype)
