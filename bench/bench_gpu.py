@@ -167,9 +167,9 @@ def bench_det_backward(x: dict, T: int, reps: int, row, log, sweep: bool = False
                 log(f"FAILED {name} {c}: {type(exc).__name__}: {str(exc)[:300]}")
 
 
-GRAD_SWEEP = (dict(block_n=32), dict(block_n=128), dict(num_warps=4), dict(num_stages=1),
-              dict(num_stages=3), dict(fold_block=16), dict(fold_block=64), dict(fold_warps=8),
-              dict(fold_warps=2))
+GRAD_SWEEP = (dict(num_warps=8), dict(num_warps=2), dict(block_n=32), dict(block_n=128),
+              dict(num_stages=1), dict(num_stages=3), dict(block_n=32, num_stages=3),
+              dict(fold_block=64), dict(fold_warps=2), dict(fold_warps=8))
 
 
 def indexer_grad_inputs(x: dict, T: int, seed: int = 1):

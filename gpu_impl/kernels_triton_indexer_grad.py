@@ -38,7 +38,7 @@ __all__ = ["indexer_loss_grad", "GRAD_CONFIG", "BUFFER_BYTES"]
 
 F32 = torch.float32
 # Default launch parameters (bench/bench_gpu.py on the H200; docs/CUDNN.md).
-GRAD_CONFIG = dict(block_n=64, num_warps=8, num_stages=2, fold_block=32, fold_warps=4)
+GRAD_CONFIG = dict(block_n=64, num_warps=4, num_stages=2, fold_block=32, fold_warps=4)
 BUFFER_BYTES = 1 << 31          # contribution buffer cap (float32 rows of D_I), per chunk
 
 
