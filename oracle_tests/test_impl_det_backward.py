@@ -110,12 +110,13 @@ _INTERPRETED_INDEXER_GRAD = textwrap.dedent("""
     ids[3] = -1                                            # a row with no valid slot
     tau = torch.rand(T, Kc, generator=g)
     tau = tau / tau.sum(1, keepdim=True)
+    tau[1, :4] = 1e-5                                      # targets below the floor
     p = torch.softmax(torch.randn(T, Kc, generator=g), 1)
     p[0, :3] = 0.0                                         # below the gradient floor
-    kw = dict(coeff=0.7, num_real=T - 2, grad_floor=1e-3)
+    kw = dict(coeff=0.7, num_real=T - 2, grad_floor=0.02)
     before = [x.clone() for x in (q, k, w, ids, tau, p)]
     stats = {}
-    args = (q, k, w, ids, tau, p, 0.7 / (T - 2), DI ** -0.5, 1e-3)
+    args = (q, k, w, ids, tau, p, 0.7 / (T - 2), DI ** -0.5, 0.02)
     got = kg.indexer_loss_grad(*args, stats=stats, **options)
     again = kg.indexer_loss_grad(*args, **options)
     same = all(torch.equal(a, b) for a, b in zip(before, (q, k, w, ids, tau, p)))
