@@ -14,14 +14,18 @@ own argument checks and sanitisation unless the row says "raw"):
   Triton fixed-order deterministic backward (plus a config sweep), bitwise replay check;
 - indexer forward (cuDNN THD, raw and with the scatter to [T, C]), Top-K (cuDNN deterministic
   and default), indexer loss (cuDNN teacher + torch), loss gradients (cuDNN default and the
-  deterministic hybrid).
+  Triton fixed-order kernels; ``--indexer-grad-only``: the Triton kernels alone with phases and a
+  config sweep, no cuDNN needed);
+- the whole DSA step (indexer scores, Top-K, attention forward + backward, indexer loss +
+  gradients) through the backend, deterministic and default mode.
 
 FLOP counts use the number of valid slots ``n = sum_t len_t``: forward ``2 n H (D + Dv)``,
 backward ``2 n H (3 D + 2 Dv)`` (recompute S, dP, dQ, dKV from dS and from P). The memory floor
 is the unavoidable traffic (inputs once, outputs once, gathered key rows once per slot) over the
 measured copy bandwidth; the compute floor is FLOPs over the measured bf16 GEMM rate.
 
-Usage: ``python bench/bench_gpu.py [--T 4096 8192] [--reps 20] [--out results.json]``.
+Usage: ``python bench/bench_gpu.py [--T 4096 8192] [--reps 20] [--no-sweep] [--lean]
+[--indexer-grad-only | --det-backward-only] [--out results.json]``.
 """
 from __future__ import annotations
 
@@ -163,7 +167,57 @@ def bench_det_backward(x: dict, T: int, reps: int, row, log, sweep: bool = False
                 log(f"FAILED {name} {c}: {type(exc).__name__}: {str(exc)[:300]}")
 
 
-def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: list, log):
+GRAD_SWEEP = (dict(num_warps=8), dict(num_warps=2), dict(block_n=32), dict(block_n=128),
+              dict(num_stages=1), dict(num_stages=3), dict(block_n=32, num_stages=3),
+              dict(fold_block=64), dict(fold_warps=2), dict(fold_warps=8))
+
+
+def indexer_grad_inputs(x: dict, T: int, seed: int = 1):
+    """Layer-like loss-gradient inputs: per row ``K`` distinct compressed ids at random among
+    the ``C`` (ascending), ``target`` and ``predict`` softmax rows."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    C = x["C"]
+    ids = torch.rand(T, C, device="cuda", generator=g).argsort(dim=1)[:, :K].sort(dim=1)[0]
+    tau = torch.softmax(3 * torch.randn(T, K, device="cuda", generator=g), dim=1)
+    p = torch.softmax(3 * torch.randn(T, K, device="cuda", generator=g), dim=1)
+    return ids.to(torch.int32).contiguous(), tau, p
+
+
+def bench_indexer_grad(x: dict, T: int, reps: int, row, log, sweep: bool = False):
+    """The deterministic indexer-loss gradient (Triton fixed-order kernels; needs no cuDNN):
+    whole call through the backend's kernel module, its phases, bitwise replays, agreement with
+    the torch backend's deterministic path, and a config sweep."""
+    from gpu_impl import kernels_triton_indexer_grad as kg
+    q_idx, k_idx, w = x["q_idx"], x["k_idx"], x["w"]
+    ids, tau, p = indexer_grad_inputs(x, T)
+    gs, scale, e = 0.01 / T, DI ** -0.5, math.exp(-100)
+    f_grad = 2.0 * 3 * T * K * HI * DI
+
+    def call(**cfg):
+        return kg.indexer_loss_grad(q_idx, k_idx, w, ids, tau, p, gs, scale, e, **cfg)
+    a, b = call(), call()
+    same = all(torch.equal(u, v) for u, v in zip(a, b))
+    ref = tb.sparse_indexer_loss_grad(q_idx, k_idx, w, ids, tau, p, coeff=0.01, num_real=T,
+                                      grad_floor=e)
+    log(f"T={T} indexer grad (Triton) bitwise replay equal: {same}; vs torch backend: "
+        + ", ".join(f"{n} rel {rel(u, v):.2e}" for n, u, v in zip(("dq", "dw", "dk"), a, ref)))
+    row("indexer loss grad: Triton fixed-order (deterministic)", timeit(call, reps), f_grad,
+        note=f"config {kg.GRAD_CONFIG}; replay equal {same}")
+    st = {"time": True}
+    call(stats=st)
+    log(f"T={T} indexer grad phases (ms): rows {st['rows_ms']:.3f}, sort {st['sort_ms']:.3f}, "
+        f"fold {st['fold_ms']:.3f}; chunks {st['chunks']}")
+    if sweep:
+        for c in GRAD_SWEEP:
+            try:
+                row("indexer loss grad: Triton sweep", timeit(lambda c=c: call(**c), reps),
+                    f_grad, note=f"{c}")
+            except Exception as exc:                               # keep sweeping
+                log(f"FAILED indexer grad {c}: {type(exc).__name__}: {str(exc)[:300]}")
+
+
+def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: list, log,
+                lean: bool = False):
     x = make_inputs(T)
     q, kv, ids, lengths, sink, dout = x["q"], x["kv"], x["ids"], x["lengths"], x["sink"], x["dout"]
     n = int(lengths.sum())
@@ -206,7 +260,8 @@ def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: li
         ref_out, ref_lse = tb.sparse_attention_forward(q, kv, ids, sink, lengths=lengths)
         log(f"T={T} triton fwd vs torch backend: out rel {rel(out, ref_out):.2e}, "
             f"lse rel {rel(lse, ref_lse):.2e}")
-    attempt("check forward", check_fwd)
+    if not lean:
+        attempt("check forward", check_fwd)
     attempt("fwd triton", lambda: row("attention fwd: Triton (deterministic)",
                                       timeit(fwd_triton, reps), f_fwd, b_fwd,
                                       f"config {kt.FORWARD_CONFIG}"))
@@ -228,8 +283,9 @@ def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: li
             timeit(lambda: cb.sparse_attention_forward(q, kv, ids, sink, lengths=lengths,
                                                        kernel="cudnn_sdpa"), reps),
             f_fwd, b_fwd)
-    attempt("fwd cudnn_sdpa", sdpa)
-    attempt("fwd torch", lambda: row("attention fwd: torch backend",
+    if not lean:
+        attempt("fwd cudnn_sdpa", sdpa)
+    attempt("fwd torch", lambda: None if lean else row("attention fwd: torch backend",
                                      timeit(lambda: tb.sparse_attention_forward(
                                          q, kv, ids, sink, lengths=lengths), max(3, reps // 4)),
                                      f_fwd, b_fwd))
@@ -261,11 +317,13 @@ def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: li
                 f"{rel(a[2], c['d_sink']):.2e}")
             rows.append(dict(T=T, what=f"triton bwd ({red}) replay bitwise equal", ms=None,
                              note=str(same)))
-    attempt("check backward", check_bwd)
-    attempt("bwd triton", lambda: row("attention bwd: Triton fixed-order (deterministic)",
+    if not lean:
+        attempt("check backward", check_bwd)
+    attempt("bwd triton", lambda: None if lean else row("attention bwd: Triton fixed-order (deterministic)",
                                       timeit(bwd_triton, reps), f_bwd, b_bwd,
                                       f"config {kt.BACKWARD_CONFIG}"))
-    attempt("bwd det kernels", lambda: bench_det_backward(x, T, reps, row, log))
+    if not lean:
+        attempt("bwd det kernels", lambda: bench_det_backward(x, T, reps, row, log))
     if sweep:
         for cfg in (dict(num_stages=2), dict(num_stages=3), dict(num_warps=4, programs=264),
                     dict(num_warps=4, programs=396), dict(block_d=256), dict(block_d=64),
@@ -278,7 +336,7 @@ def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: li
         timeit(lambda: cb.sparse_attention_backward(q, kv, ids, sink, out, lse, dout,
                                                     lengths=lengths, deterministic=True), reps),
         f_bwd, b_bwd))
-    attempt("bwd torch det", lambda: row(
+    attempt("bwd torch det", lambda: None if lean else row(
         "attention bwd: torch backend deterministic",
         timeit(lambda: tb.sparse_attention_backward(q, kv, ids, sink, out, lse, dout,
                                                     lengths=lengths, deterministic=True), 3, 1),
@@ -307,7 +365,7 @@ def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: li
         attempt(f"topk det={det}", lambda det=det: row(
             f"Top-K {K} of [T, C]: cuDNN deterministic={det}",
             timeit(lambda: cb.stable_topk(scores, K, deterministic=det), reps)))
-    attempt("topk torch", lambda: row("Top-K: torch backend",
+    attempt("topk torch", lambda: None if lean else row("Top-K: torch backend",
                                       timeit(lambda: tb.stable_topk(scores, K), reps)))
     cmp_ids, _ = cb.stable_topk(scores, K)
     kv_cmp = kv[T:]
@@ -322,10 +380,37 @@ def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: li
         return
     for det in (False, True):
         attempt(f"loss grad det={det}", lambda det=det: row(
-            f"indexer loss grad: {'deterministic (cuDNN dq + dense fixed-order dw/dk)' if det else 'cuDNN default (atomics)'}",
+            "indexer loss grad: " + cb.describe(
+                "sparse_indexer_loss_grad", q_idx, k_idx, w, cmp_ids, loss.target, loss.predict,
+                coeff=0.01, num_real=T, deterministic=det),
             timeit(lambda: cb.sparse_indexer_loss_grad(
                 q_idx, k_idx, w, cmp_ids, loss.target, loss.predict, coeff=0.01,
-                num_real=T, deterministic=det), max(3, reps // 2))))
+                num_real=T, deterministic=det), reps)))
+
+    def grad_check():
+        a = cb.sparse_indexer_loss_grad(q_idx, k_idx, w, cmp_ids, loss.target, loss.predict,
+                                        coeff=0.01, num_real=T, deterministic=True)
+        b = cb.sparse_indexer_loss_grad(q_idx, k_idx, w, cmp_ids, loss.target, loss.predict,
+                                        coeff=0.01, num_real=T, deterministic=False)
+        log(f"T={T} indexer grad deterministic vs cuDNN default: "
+            + ", ".join(f"{n} rel {rel(u, v):.2e}" for n, u, v in zip(("dq", "dw", "dk"), a, b)))
+    attempt("loss grad check", grad_check)
+
+    # ---- the whole DSA step: indexer, Top-K, attention fwd + bwd, indexer loss + gradients --
+    def step(det: bool):
+        s_ = cb.indexer_scores(q_idx, k_idx, w, lay, RATIO, deterministic=det)
+        cids, _ = cb.stable_topk(s_, K, deterministic=det)
+        o, l_ = cb.sparse_attention_forward(q, kv, ids, sink, lengths=lengths, deterministic=det)
+        cb.sparse_attention_backward(q, kv, ids, sink, o, l_, dout, lengths=lengths,
+                                     deterministic=det)
+        ls = cb.sparse_indexer_loss(q, kv_cmp, sink, l_, cids, s_, lay, coeff=0.01,
+                                    deterministic=det)
+        cb.sparse_indexer_loss_grad(q_idx, k_idx, w, cids, ls.target, ls.predict, coeff=0.01,
+                                    num_real=T, deterministic=det)
+    for det in (False, True):
+        attempt(f"step det={det}", lambda det=det: row(
+            f"whole DSA step ({'deterministic' if det else 'default mode'}): indexer, Top-K, "
+            "attention fwd + bwd, indexer loss + gradients", timeit(lambda: step(det), reps)))
 
 
 def main():
@@ -336,6 +421,11 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--det-backward-only", action="store_true",
                     help="only the deterministic backwards: planes, split, key-major (no cuDNN)")
+    ap.add_argument("--indexer-grad-only", action="store_true",
+                    help="only the deterministic indexer-loss gradient (Triton; no cuDNN)")
+    ap.add_argument("--lean", action="store_true",
+                    help="skip the torch backend, graph SDPA, the alternative deterministic "
+                         "backwards and their checks")
     args = ap.parse_args()
     lines = []
 
@@ -359,7 +449,18 @@ def main():
             bench_det_backward(make_inputs(T), T, args.reps, row, log,
                            sweep=not args.no_sweep and i == 0)
             continue
-        bench_shape(T, args.reps, bw, rate, sweep=not args.no_sweep and i == 0, rows=rows, log=log)
+        if args.indexer_grad_only:
+            def row(what, ms, flops=None, note="", T=T):
+                r = dict(T=T, what=what, ms=round(ms, 4), note=note)
+                if flops:
+                    r["TFLOPs"] = round(flops / (ms * 1e-3) / 1e12, 1)
+                rows.append(r)
+                log(json.dumps(r))
+            bench_indexer_grad(make_inputs(T), T, args.reps, row, log,
+                               sweep=not args.no_sweep and i == 0)
+            continue
+        bench_shape(T, args.reps, bw, rate, sweep=not args.no_sweep and i == 0, rows=rows, log=log,
+                    lean=args.lean)
         torch.cuda.empty_cache()
     log("\n| T | what | ms | TFLOP/s | compute floor ms | memory floor ms | note |")
     log("|---|---|---|---|---|---|---|")

@@ -29,9 +29,10 @@ sparse_attention_backward         default mode, SM90: cuDNN ``sparse_attention_b
 sparse_indexer_loss               teacher from cuDNN ``sparse_attn_score_recompute_wrapper``
                                   (with ``lse := logaddexp(lse, sink)``, renormalised to undo
                                   the kernel's ``+1e-10``); student and KL in torch (float32)
-sparse_indexer_loss_grad          cuDNN ``indexer_backward_wrapper``; deterministic on SM90:
-                                  ``dq_idx`` from it (repeatable), ``dw`` and ``dk_idx`` from
-                                  the torch backend's fixed-order path; SM100: cuDNN
+sparse_indexer_loss_grad          default mode: cuDNN ``indexer_backward_wrapper`` (float
+                                  atomics: ``dw``, ``dk_idx`` not repeatable on SM90);
+                                  deterministic, SM90: Triton fixed-order kernels
+                                  (:mod:`gpu_impl.kernels_triton_indexer_grad`); SM100: cuDNN
                                   ``deterministic=True``
 build_csa_indices, q_rms_norm     no cuDNN kernel: :func:`why_unsupported` says so, and the
                                   dispatcher runs the torch backend
@@ -570,20 +571,19 @@ def _grad_route(q, w, mode: str, grad_floor: float, deterministic: bool):
     T, HI, DI = q.shape
     major = _capability(q.device)[0] if q.device.type == "cuda" else 0
     if mode != "clipped":
-        return "torch", "mode='autograd' (cuDNN implements the clipped gradient only)"
-    if grad_floor != CUDNN_GRAD_FLOOR:
-        return "torch", f"grad_floor={grad_floor} (cuDNN's floor is exp(-100))"
-    if q.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        return "torch", (f"{q.dtype} q_idx / {w.dtype} weights (the cuDNN indexer backward "
-                         "takes bf16)")
-    if HI < 64 or DI != 128:
-        return "torch", f"(H_I, D_I) = ({HI}, {DI}) (cuDNN: H_I >= 64, D_I = 128)"
-    if not deterministic:
+        return "torch", "mode='autograd' (the kernels implement the clipped gradient only)"
+    if q.dtype not in HALF or w.dtype not in HALF:
+        return "torch", f"{q.dtype} q_idx / {w.dtype} weights (the kernels take bf16/fp16)"
+    cudnn_ok = (grad_floor == CUDNN_GRAD_FLOOR and q.dtype == torch.bfloat16
+                and w.dtype == torch.bfloat16 and HI >= 64 and DI == 128)
+    if cudnn_ok and not deterministic:
         return "cudnn", "cudnn.indexer_backward_wrapper (d_weights/d_index_k not repeatable on SM90)"
-    if major == 10 and HI in (32, 64):
+    if cudnn_ok and major == 10 and HI in (32, 64):
         return "cudnn", "cudnn.indexer_backward_wrapper(deterministic=True) (SM100)"
-    return "hybrid", ("cudnn.indexer_backward_wrapper for dq_idx + dense fixed-order dw/dk_idx "
-                      "(torch_backend's sorted path if a row repeats an id)")
+    if importlib.util.find_spec("triton") is None:
+        return "torch", "triton is not installed (the fixed-order indexer gradient is Triton)"
+    return "triton", ("Triton fixed-order indexer gradient (gpu_impl.kernels_triton_indexer_grad: "
+                      "row pass + key-major fold)")
 
 
 @_no_grad
@@ -593,9 +593,12 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
                              deterministic: bool = True):
     """Contract section 8 gradients ``(dq_idx, dw, dk_idx)`` in the inputs' dtypes (bf16).
 
-    cuDNN's kernel divides by ``B*S_q`` (= T here); ``loss_coeff = coeff*T/num_real`` restores
-    the contract's global ``N``. Its ``attn_score`` argument is overwritten in place, so it gets
-    a copy. Ids are sanitised (invalid -> -1) and padded to a multiple of 128 on copies.
+    Deterministic mode (SM90, or shapes cuDNN does not take): the Triton kernels of
+    :mod:`gpu_impl.kernels_triton_indexer_grad` (every output a fixed-order sum, bitwise
+    repeatable; any gradient floor, bf16 or fp16). cuDNN: its kernel divides by ``B*S_q`` (= T
+    here); ``loss_coeff = coeff*T/num_real`` restores the contract's global ``N``. Its
+    ``attn_score`` argument is overwritten in place, so it gets a copy. Ids are sanitised
+    (invalid -> -1) and padded to a multiple of 128 on copies.
     """
     q, k, w, ids, tau, p_in, coeff, n_real, grad_loss, scale, e, floor, mode, deterministic, \
         dev = validate_sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target,
@@ -611,7 +614,12 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
     if route == "torch" or T == 0 or Kc == 0:
         return torch_backend.sparse_indexer_loss_grad(q, k, w, ids, tau, p_in,
                                                       deterministic=deterministic, **kwargs)
-    w_in = w
+    if route == "triton":
+        _triton_kernels()                          # a clear error when triton is missing
+        kg = importlib.import_module("gpu_impl.kernels_triton_indexer_grad")
+        with torch.cuda.device(dev):
+            return kg.indexer_loss_grad(q, k, w, ids, tau, p_in, coeff / n_real * grad_loss,
+                                        scale, e)
     valid = (ids >= 0) & (ids < C)
     safe_ids = _pad_cols(torch.where(valid, ids, torch.full_like(ids, -1)).to(torch.int32),
                          128, -1)
@@ -621,80 +629,16 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
     prd = torch.zeros((T, kp), dtype=F32, device=dev)
     prd[:, :Kc] = torch.where(valid, p_in.to(F32), torch.zeros((), dtype=F32, device=dev))
     g_loss = torch.full((1,), grad_loss, dtype=F32, device=dev)
-    det_kernel = route == "cudnn" and deterministic
     dsa = _dsa()
     with torch.cuda.device(dev):
         res = dsa.indexer_backward_wrapper(
-            q.contiguous().unsqueeze(0), w_in.contiguous().unsqueeze(0),
+            q.contiguous().unsqueeze(0), w.contiguous().unsqueeze(0),
             k.contiguous().unsqueeze(0), tgt.unsqueeze(0), prd.unsqueeze(0),
             safe_ids.unsqueeze(0), g_loss, sm_scale=float(scale),
             loss_coeff=float(coeff) * T / n_real, topk_indices_global=False,
-            deterministic=det_kernel)
-    dq = res["d_index_q"][0].to(q.dtype)
-    if route == "hybrid":
-        fast = _dense_indexer_grads(q, k, w, ids, valid, tau, p_in, coeff / n_real * grad_loss,
-                                    scale, e)
-        if fast is not None:
-            return dq, fast[0], fast[1]
-        _, dw, dk = torch_backend.sparse_indexer_loss_grad(q, k, w, ids, tau, p_in,
-                                                           deterministic=True, **kwargs)
-        return dq, dw, dk
-    return dq, res["d_weights"][0].to(w.dtype), res["d_index_k"][0].to(k.dtype)
-
-
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Batched product, exact bf16/fp16 products accumulated in float32; float32 result."""
-    if a.is_cuda and a.dtype == b.dtype and a.dtype in HALF:
-        return torch.bmm(a, b, out_dtype=F32)
-    return torch.bmm(a.to(F32), b.to(F32))
-
-
-def _dense_indexer_grads(q, k, w, ids, valid, tau, p_in, gs, scale, e, budget=1 << 28):
-    """Deterministic ``dw`` and ``dk_idx`` of the clipped indexer-loss gradient (section 8)
-    without atomics, for rows whose valid ids are distinct (Top-K rows always are; ``None``
-    otherwise, and the caller uses the torch backend's sorted fixed-order path).
-
-    Per chunk of rows: ``z = q_idx k_idx[ids]^T`` (float32 accumulation), ``gI`` in float32,
-    ``dw = scale sum_c gI relu(z)``, the gate rounded once to bf16 (as cuDNN does), the per-slot
-    ``dk`` contributions (float32) written to a dense ``[rows, C, D_I]`` buffer (each target
-    written once: ids are distinct within a row) and summed over rows by ``torch.sum`` (a
-    fixed reduction tree for a given shape); chunks are added in row order. The bits depend only
-    on the inputs and the chunk size (a fixed budget), never on thread timing."""
-    T, HI, DI = q.shape
-    C, Kc = k.shape[0], ids.shape[1]
-    big = torch.iinfo(torch.int64).max
-    srt = torch.sort(torch.where(valid, ids.to(torch.int64), torch.full_like(ids, big,
-                                                                         dtype=torch.int64)),
-                     dim=1)[0]
-    if Kc > 1 and bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != big)).any()):
-        return None
-    dev = q.device
-    safe = torch.where(valid, ids, torch.zeros_like(ids)).to(torch.int64)
-    t32 = tau.to(F32)
-    p32 = p_in.to(F32)
-    tm = torch.where(valid & (p32 >= e), torch.clamp_min(t32, e), torch.zeros_like(t32))
-    g = gs * (p32 * tm.sum(dim=1, keepdim=True) - tm)
-    g = torch.where(valid, g, torch.zeros_like(g))                       # gI [T, Kc]
-    wf = w.to(F32) * scale
-    dw = torch.empty_like(w)
-    dk = torch.zeros((C, DI), dtype=F32, device=dev)
-    step = max(1, budget // max(1, C * DI * 4 + Kc * (HI + DI) * 8))
-    for r0 in range(0, T, step):
-        r1 = min(r0 + step, T)
-        n = r1 - r0
-        v = valid[r0:r1]
-        kg = k.index_select(0, safe[r0:r1].reshape(-1)).view(n, Kc, DI)
-        kg = kg.masked_fill(~v.unsqueeze(-1), 0)
-        z = _mm(q[r0:r1], kg.transpose(1, 2))                           # [n, H_I, Kc]
-        gc = g[r0:r1]
-        dw[r0:r1] = ((torch.relu(z) * gc.unsqueeze(1)).sum(dim=-1) * scale).to(w.dtype)
-        gate = ((z > 0).to(F32) * wf[r0:r1].unsqueeze(-1) * gc.unsqueeze(1)).to(q.dtype)
-        contrib = _mm(gate.transpose(1, 2), q[r0:r1])                   # [n, Kc, D_I]
-        dense = torch.zeros((n, C + 1, DI), dtype=F32, device=dev)
-        col = torch.where(v, safe[r0:r1], torch.full_like(safe[r0:r1], C))
-        dense.scatter_(1, col.unsqueeze(-1).expand(n, Kc, DI), contrib)
-        dk += dense[:, :C].sum(dim=0)
-    return dw, dk.to(k.dtype)
+            deterministic=deterministic)
+    return (res["d_index_q"][0].to(q.dtype), res["d_weights"][0].to(w.dtype),
+            res["d_index_k"][0].to(k.dtype))
 
 
 # --------------------------------------------------------------------------------------------

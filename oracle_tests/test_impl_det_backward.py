@@ -1,5 +1,6 @@
 """The alternative deterministic attention backwards: split (:mod:`gpu_impl.kernels_triton_split`,
-row pass + column-sliced planes) and key-major (:mod:`gpu_impl.kernels_triton_keymajor`). The
+row pass + column-sliced planes) and key-major (:mod:`gpu_impl.kernels_triton_keymajor`); the
+fixed-order indexer-loss gradient (:mod:`gpu_impl.kernels_triton_indexer_grad`). The
 one-kernel planes backward is tested in ``test_impl_cudnn.py``.
 
 - CPU (where triton is installed; skipped otherwise): the kernels under the Triton interpreter
@@ -11,6 +12,10 @@ one-kernel planes backward is tested in ``test_impl_cudnn.py``.
   shapes with hostile ids, a CSA-like H 64 / D 512 case with window and compressed keys): the
   kernel's own route is taken, bitwise replays, inputs untouched, error-model ratios against
   the oracle, through the backend's deterministic route with ``kernel=``.
+- The indexer-loss gradient: under the interpreter (duplicates, hostile ids, an empty row,
+  several row chunks) and on the GPU (contention of thousands of slots per key, hostile ids,
+  DSv4 head shapes) through the backend's deterministic route: bitwise replays, grad-mode
+  parity, inputs untouched, error-model ratios against the oracle.
 """
 from __future__ import annotations
 
@@ -23,6 +28,12 @@ import textwrap
 
 import pytest
 import torch
+
+import reference as R
+from dsv4_oracle.compare import compare_numeric
+from reference import error_model as EM
+
+from .impl_harness import CUDNN_CUDA, content_hash
 
 from .test_impl_cudnn import _attention_inputs, assert_deterministic_backward
 
@@ -78,10 +89,54 @@ _INTERPRETED = textwrap.dedent("""
 """)
 
 
-def _interpret(args):
+_INTERPRETED_INDEXER_GRAD = textwrap.dedent("""
+    import json, sys, torch
+    import reference as R
+    from reference import error_model as EM
+    from oracle_tests.impl_harness import CUDNN_CUDA
+    from dsv4_oracle.compare import compare_numeric
+    from gpu_impl import kernels_triton_indexer_grad as kg
+    T, HI, DI, C, Kc, options = json.loads(sys.argv[1])
+    g = torch.Generator().manual_seed(3)
+    dt = torch.float16
+    q = torch.randn(T, HI, DI, generator=g).to(dt)
+    k = torch.randn(C, DI, generator=g).to(dt)
+    w = torch.randn(T, HI, generator=g).to(dt)
+    ids = torch.randint(0, C, (T, Kc), generator=g)
+    ids[:, 1] = ids[:, 0]                                  # a duplicate id in every row
+    bad = torch.tensor([-2 ** 31, -1, C, C + 5, 2 ** 31 - 1])
+    m = torch.rand(T, Kc, generator=g) < 0.2
+    ids = torch.where(m, bad[torch.randint(0, 5, (T, Kc), generator=g)], ids).to(torch.int32)
+    ids[3] = -1                                            # a row with no valid slot
+    tau = torch.rand(T, Kc, generator=g)
+    tau = tau / tau.sum(1, keepdim=True)
+    tau[1, :4] = 1e-5                                      # targets below the floor
+    p = torch.softmax(torch.randn(T, Kc, generator=g), 1)
+    p[0, :3] = 0.0                                         # below the gradient floor
+    kw = dict(coeff=0.7, num_real=T - 2, grad_floor=0.02)
+    before = [x.clone() for x in (q, k, w, ids, tau, p)]
+    stats = {}
+    args = (q, k, w, ids, tau, p, 0.7 / (T - 2), DI ** -0.5, 0.02)
+    got = kg.indexer_loss_grad(*args, stats=stats, **options)
+    again = kg.indexer_loss_grad(*args, **options)
+    same = all(torch.equal(a, b) for a, b in zip(before, (q, k, w, ids, tau, p)))
+    replay = all(torch.equal(a, b) for a, b in zip(got, again))
+    ref = R.sparse_indexer_loss_grad(q, k, w, ids, tau, p, **kw)
+    bounds = EM.indexer_loss_grad_bound(q, k, w, ids, tau, p, *ref,
+                                        precision=CUDNN_CUDA.precision(dt), **kw)
+    ratios = {}
+    for name, a, b, bb in zip(("dq_idx", "dw", "dk_idx"), got, ref, bounds):
+        c = compare_numeric(name, a, b, bb)
+        ratios[name] = [bool(c.passed if hasattr(c, "passed") else c.ok), str(c.ratio)]
+    print("RESULT " + json.dumps(dict(stats=stats, ratios=ratios, untouched=same,
+                                      replay=replay)))
+""")
+
+
+def _interpret(args, script=_INTERPRETED):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep
                + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", _INTERPRETED, json.dumps(args)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-c", script, json.dumps(args)], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=240)
     lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
     assert r.returncode == 0 and lines, f"interpreted run failed:\n{r.stdout}\n{r.stderr[-3000:]}"
@@ -191,3 +246,81 @@ def test_det_backward_gpu(shape, kernel, replays, monkeypatch):
         return {"dq": dq, "dkv": dkv, "dsink": ds}
     assert_deterministic_backward(run, (q, kv, ids, sink, lengths, out, lse, dout), dv, replays,
                                   f"{kernel} bwd {shape} {stats}")
+
+
+# --------------------------------------------------------------------------------------------
+# the fixed-order indexer-loss gradient (gpu_impl.kernels_triton_indexer_grad)
+# --------------------------------------------------------------------------------------------
+@needs_triton
+@pytest.mark.parametrize("shape,options,chunks", [
+    ((20, 4, 32, 30, 12), {}, 1),
+    ((33, 3, 48, 50, 20), dict(block_n=16, fold_block=4, buffer_bytes=1), 33),
+    ((17, 64, 128, 40, 70), dict(buffer_bytes=200_000), 4),
+], ids=["h4-d32", "odd-h3-d48-row-chunks", "h64-d128-chunks"])
+def test_interpreted_indexer_grad_against_oracle(shape, options, chunks):
+    """The fixed-order indexer gradient under the interpreter (duplicate and hostile ids, an
+    empty row, predictions below the floor, several row chunks) agrees with the float64 oracle
+    within the error model, replays bitwise and leaves its inputs untouched."""
+    res = _interpret(list(shape) + [options], script=_INTERPRETED_INDEXER_GRAD)
+    assert res["stats"]["chunks"] == chunks, res
+    assert res["untouched"] and res["replay"], res
+    bad = {k: v for k, v in res["ratios"].items() if not v[0]}
+    assert not bad, f"error-model ratios exceeded: {res['ratios']}"
+
+
+def _indexer_grad_inputs(T, HI, DI, C, Kc, *, seed, dup_keys=None, hostile=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, HI, DI, generator=g).to(torch.bfloat16)
+    k = torch.randn(C, DI, generator=g).to(torch.bfloat16)
+    w = torch.randn(T, HI, generator=g).to(torch.bfloat16)
+    hi = dup_keys if dup_keys is not None else C
+    ids = torch.rand(T, hi, generator=g).argsort(dim=1)[:, :Kc] if hi >= Kc else \
+        torch.randint(0, hi, (T, Kc), generator=g)
+    if hostile:
+        bad = torch.tensor([-2 ** 31, -1, C, C + 5, 2 ** 31 - 1])
+        mask = torch.rand(T, Kc, generator=g) < 0.2
+        ids = torch.where(mask, bad[torch.randint(0, 5, (T, Kc), generator=g)], ids)
+    tau = torch.softmax(3 * torch.randn(T, Kc, generator=g), 1)
+    p = torch.softmax(3 * torch.randn(T, Kc, generator=g), 1)
+    return q, k, w, ids.to(torch.int32), tau, p
+
+
+@pytest.mark.parametrize("shape", [
+    dict(T=1500, HI=64, DI=128, C=8, Kc=32, dup_keys=8),         # ~6000 slots per key, duplicates
+    dict(T=300, HI=16, DI=64, C=200, Kc=40, hostile=True),       # odd shapes, hostile ids
+    dict(T=512, HI=64, DI=128, C=256, Kc=128),                   # DSv4-like heads, distinct ids
+], ids=["contention", "hostile-h16-d64", "dsv4-heads"])
+@pytest.mark.gpu
+def test_indexer_grad_gpu(shape, replays):
+    """Through the backend's deterministic route (the Triton kernels): bitwise replays (at least
+    5), the same bits with autograd enabled on the inputs, inputs untouched, every gradient
+    within the error model against the oracle."""
+    from gpu_impl import cudnn_backend as cb
+    cpu = _indexer_grad_inputs(**shape, seed=11)
+    q, k, w, ids, tau, p = (t.cuda() for t in cpu)
+    kw = dict(coeff=0.3, num_real=shape["T"] - 7)
+    if importlib.util.find_spec("cudnn") is not None:      # describe() needs the frontend
+        assert cb.describe("sparse_indexer_loss_grad", q, k, w, ids, tau, p,
+                           **kw).startswith("triton")
+    before = content_hash(dict(q=q, k=k, w=w, ids=ids, tau=tau, p=p))
+
+    def run():
+        return dict(zip(("dq_idx", "dw", "dk_idx"), cb.sparse_indexer_loss_grad(
+            q, k, w, ids, tau, p, deterministic=True, **kw)))
+    first = content_hash(run())
+    for _ in range(max(replays, 5) - 1):
+        assert content_hash(run()) == first
+    with torch.enable_grad():
+        qg, wg, kg_ = (t.clone().requires_grad_(True) for t in (q, w, k))
+        got = cb.sparse_indexer_loss_grad(qg, kg_, wg, ids, tau, p, deterministic=True, **kw)
+        assert not any(t.requires_grad for t in got)
+        assert content_hash(dict(zip(("dq_idx", "dw", "dk_idx"), got))) == first
+    assert content_hash(dict(q=q, k=k, w=w, ids=ids, tau=tau, p=p)) == before
+    got = [t.cpu() for t in run().values()]
+    ref = R.sparse_indexer_loss_grad(*cpu, **kw)
+    bounds = EM.indexer_loss_grad_bound(*cpu, *ref, precision=CUDNN_CUDA.precision(
+        torch.bfloat16), **kw)
+    checks = [compare_numeric(n, a, b, bb) for n, a, b, bb in
+              zip(("dq_idx", "dw", "dk_idx"), got, ref, bounds)]
+    bad = [c for c in checks if not (c.passed if hasattr(c, "passed") else c.ok)]
+    assert not bad, [(c.name, c.ratio) for c in checks]
