@@ -116,6 +116,10 @@ def main_check(args) -> int:
         if args.report:
             paths = write_report(result, args.report)
             print(f"report: {', '.join(paths)}")
+            from .plots import unavailable
+            skipped = unavailable()
+            if skipped:
+                print(f"report: PNG plots skipped: {skipped}")
         if args.junit:
             write_junit(result, args.junit)
             print(f"junit: {args.junit}")

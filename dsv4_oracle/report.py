@@ -515,12 +515,11 @@ def write_report(result: RunResult, directory: str, *, argv=None) -> list[str]:
     problems = validate_report(d)
     if problems:                        # a bug of this module: never write a bad report
         raise AssertionError("report.json does not match its schema: " + "; ".join(problems[:5]))
+    from .plots import plot_ratio_grid, plot_worst_case, unavailable
     images = []
-    try:
-        from .plots import plot_ratio_grid, plot_worst_case
-        import matplotlib  # noqa: F401  (a dependency; absent in some bare GPU images)
-    except ImportError as exc:
-        images.append(f"(PNG plots skipped: {exc})")
+    skipped = unavailable()            # matplotlib is the optional extra ``report``
+    if skipped:
+        images.append(f"(PNG plots skipped: {skipped})")
     else:
         for name, fn in (("ratios.png", plot_ratio_grid), ("worst_case.png", plot_worst_case)):
             if fn(result, os.path.join(directory, name)):

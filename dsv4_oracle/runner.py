@@ -88,8 +88,9 @@ def select_cases(catalog: str | None = None, patterns=()) -> tuple[list, str]:
 @dataclass
 class CaseOutcome:
     """Everything checked on one case. Each check's ``extra`` holds ``quantity`` and ``level``.
-    ``error``: why the case could not be set up (then ``checks`` is empty). ``maps``: per
-    ``(row, head)`` error/bound maps (``out``, ``lse``, ``dq``) and row flags for the report."""
+    ``error``: why the case could not be set up (then ``checks`` is empty). ``maps``: per level
+    (``op``, ``layer``), the per ``(row, head)`` error/bound maps (``out``, ``lse``, ``dq``) and
+    row flags (``padding``, ``sink_only``) for the report."""
 
     case: object
     checks: list = field(default_factory=list)
@@ -211,7 +212,7 @@ def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None) -> CaseOut
     if adapter.has(LAYER_OP) and (ops is None or LAYER_OP in ops) and layer_applies(case):
         levels.append("layer")
     for level in levels:
-        maps = {} if not out.maps else None
+        maps: dict = {}
         try:
             checks, backends = _level(adapter, case, x, level, replays, ops, cache, maps)
         except OpError as exc:
@@ -219,9 +220,9 @@ def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None) -> CaseOut
         out.checks += checks
         out.backends[level] = backends
         if maps:
-            out.maps = {k: (v.to(torch.float32).numpy() if isinstance(v, torch.Tensor) else v)
-                        for k, v in maps.items()}
-            out.maps["level"] = level
+            # float64: a ratio just over 1 must not round to 1 in the plot
+            out.maps[level] = {k: (v.detach().to("cpu").numpy() if isinstance(v, torch.Tensor)
+                                   else v) for k, v in maps.items()}
     if adapter.device.startswith("cuda"):
         torch.cuda.synchronize()
     out.elapsed_s = time.perf_counter() - t0
