@@ -182,6 +182,30 @@ def test_worst_view_draws_the_worst_quantity_at_its_level_first():
     assert list(v.padding) == [False] * 4 + [True] * 2
 
 
+def test_a_run_keeps_float64_maps_per_level_that_agree_with_its_checks():
+    """One real case at both levels (the portable torch backend): each level has its own maps,
+    in float64 (a ratio just over 1 must not round to 1), consistent with that level's checks."""
+    from dsv4_oracle.adapters import load_adapter
+    from dsv4_oracle.runner import check_case, select_cases
+    cases, _ = select_cases("quick", ["capacity-rows"])
+    o = check_case(load_adapter("gpu_impl:torch", device="cpu"), cases[0], replays=1)
+    assert set(o.maps) == {"op", "layer"}
+    for lv, maps in o.maps.items():
+        for q in plots.MAPPED:
+            (c,) = [c for c in o.checks if c.extra.get("quantity") == q and c.name == q
+                    and c.extra.get("level") == lv]
+            m = maps[q]
+            assert m.dtype == np.float64 and m.shape == (len(maps["padding"]), 4)
+            assert float(m.max()) >= c.ratio and bool((m > 1).any()) == (not c.passed), (lv, q)
+    v = plots.worst_view(result(o))
+    w = report_dict(result(o))["summary"]["worst"]
+    assert (v.case, v.level, v.quantity) == (w["case"], w["level"], w["quantity"])
+    if v.quantity in plots.MAPPED:
+        assert np.array_equal(v.panels[v.quantity], o.maps[v.level][v.quantity])
+    else:
+        assert v.quantity not in v.panels and v.quantity in v.note
+
+
 def test_worst_view_says_when_no_map_exists_and_none_without_ratios(tmp_path):
     # the worst check's level has no maps at all: a figure that says so, nothing else drawn
     o = outcome("nomaps", [num("out", 0.4, level="layer")], maps={"op": level_maps()})
