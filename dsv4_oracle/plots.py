@@ -168,14 +168,14 @@ def _mpl():
     return plt
 
 
-def _colorbar(fig, plt, cax_or_ax, label: str, **kw):
+def _colorbar(fig, cax, label: str, **kw):
     """The discrete colour bar of :data:`BIN_LABELS` with a thick line at the bound."""
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import BoundaryNorm, ListedColormap
     n = len(BIN_LABELS)
     sm = ScalarMappable(norm=BoundaryNorm(np.arange(-0.5, n), n),
                         cmap=ListedColormap(PASS_COLORS + FAIL_COLORS))
-    cb = fig.colorbar(sm, **kw) if cax_or_ax is None else fig.colorbar(sm, cax=cax_or_ax)
+    cb = fig.colorbar(sm, **kw) if cax is None else fig.colorbar(sm, cax=cax)
     cb.set_ticks(np.arange(n))
     cb.set_ticklabels(BIN_LABELS)
     cb.ax.plot([-0.6, 1.6], [_N_PASS - 0.5] * 2, color="black", lw=2.5, clip_on=False,
@@ -187,12 +187,12 @@ def _colorbar(fig, plt, cax_or_ax, label: str, **kw):
 
 def plot_ratio_grid(result, path: str) -> bool:
     """Draw ``ratios.png`` (see :func:`ratio_grid`); ``False`` when nothing was checked."""
-    from matplotlib.colors import to_rgba
-    from matplotlib.patches import Patch
     g = ratio_grid(result)
     if g is None:
         return False
     plt = _mpl()
+    from matplotlib.colors import to_rgba
+    from matplotlib.patches import Patch
     n, m = g.kind.shape
     legend = grid_legend(g)
     fig_w = max(8.0, 0.62 * m + 4.2)
@@ -237,7 +237,7 @@ def plot_ratio_grid(result, path: str) -> bool:
     ax.set_title(f"{verdict}: error / bound per case and quantity (worst over the op and layer "
                  f"levels)\n{result.adapter.spec} on {result.adapter.device}, "
                  f"{result.catalog} catalog", fontsize=9)
-    _colorbar(fig, plt, None, "error / bound: blue <= 1 (the bound, black line) < red", ax=ax,
+    _colorbar(fig, None, "error / bound (black line: the bound)", ax=ax,
               fraction=0.04, pad=0.02)
     handles = []
     for key, label in legend:
@@ -308,12 +308,12 @@ def plot_worst_case(result, path: str) -> bool:
     """Draw ``worst_case.png`` (see :func:`worst_view`): rows x heads heat maps of error/bound
     with a strip marking padding rows and sink-only rows (no valid key); ``False`` when no
     check has a judged ratio."""
-    from matplotlib.colors import BoundaryNorm, ListedColormap
-    from matplotlib.patches import Patch
     v = worst_view(result)
     if v is None:
         return False
     plt = _mpl()
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+    from matplotlib.patches import Patch
     title = (f"worst check of the run: {v.quantity} of case {v.case} [{v.level}], ratio "
              f"{fmt_ratio(v.ratio)} ({'case passed' if v.case_passed else 'case FAILED'})")
     if not v.panels:
@@ -366,9 +366,9 @@ def plot_worst_case(result, path: str) -> bool:
     top = 1.0 - 1.25 / fig_h
     bottom = 1.15 / fig_h
     fig.subplots_adjust(left=0.08, right=0.80, top=top, bottom=bottom, wspace=0.08)
-    _colorbar(fig, plt, fig.add_axes([0.83, bottom, 0.015, top - bottom]),
+    _colorbar(fig, fig.add_axes([0.83, bottom, 0.015, top - bottom]),
               "error / bound per (row, head), max over the feature dim;\n"
-              "blue <= 1 (the bound, black line) < red")
+              "black line: the bound")
     sub = (f"T={T}, H={heads}; maps include ill-conditioned elements, which the check's "
            f"ratio leaves out")
     if v.note:

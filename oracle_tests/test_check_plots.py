@@ -212,7 +212,6 @@ def test_worst_view_says_when_no_map_exists_and_none_without_ratios(tmp_path):
     v = plots.worst_view(result(o))
     assert (v.level, v.panels) == ("layer", {})
     assert "no per-(row, head) map of out at level layer" in v.note
-    assert plots.plot_worst_case(result(o), str(tmp_path / "w.png"))
     exact_only = result(outcome("e", [exact("ids")]))
     assert plots.worst_view(exact_only) is None
     assert not plots.plot_worst_case(exact_only, str(tmp_path / "none.png"))
@@ -224,8 +223,12 @@ def test_both_plots_draw(tmp_path):
     maps = {"op": level_maps(dq=1.2)}
     res = result(*_grid_result().outcomes,
                  outcome("mapped", [num("dq", 4.0), num("out", 0.1)], maps=maps))
-    for fn, name in ((plots.plot_ratio_grid, "r.png"), (plots.plot_worst_case, "w.png")):
-        assert fn(res, str(tmp_path / name))
+    nomaps = result(outcome("nomaps", [num("out", 0.4, level="layer")],
+                            maps={"op": level_maps()}))
+    for fn, r, name in ((plots.plot_ratio_grid, res, "r.png"),
+                        (plots.plot_worst_case, res, "w.png"),
+                        (plots.plot_worst_case, nomaps, "text_only.png")):
+        assert fn(r, str(tmp_path / name))
         with open(tmp_path / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
