@@ -47,7 +47,7 @@ CELL_STYLES = {
                    "label": "hatched grey: not judged (cannot fail: ill-conditioned, "
                             "nothing to compare, or upstream output unusable)"},
     "not_run": {"face": "#969696", "hatch": "", "text": "",
-                "label": "dark grey: not run (the case's setup or an op raised; see 'run')"},
+                "label": "dark grey: not run (the case's setup or one of its ops raised)"},
     "absent": {"face": "#ffffff", "hatch": "", "text": "",
                "label": "blank: no check of this quantity in this case (not produced)"},
 }
