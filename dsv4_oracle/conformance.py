@@ -237,16 +237,19 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
     if case.layer == "csa":
         kw.update(q_idx=leaf["q_idx"], k_idx=leaf["k_idx"], weights=leaf["weights"],
                   topk=case.topk)
-    try:
-        res = adapter.op(op)(leaf["q"], leaf["kv_raw"], leaf["sink"], lay, **kw)
+    def forward_backward(*args, **kwargs):
+        res = adapter.op(op)(*args, **kwargs)
         if train:
             roots, grads = [res.out], [x["dout"]]
             if isinstance(res.loss, torch.Tensor) and res.loss.requires_grad:
                 roots.append(res.loss)
                 grads.append(torch.ones_like(res.loss))
             torch.autograd.backward(roots, grads)
-    except Exception as exc:
-        raise OpError(op, f"raised {type(exc).__name__}: {exc}{where(exc)}") from exc
+        return res
+    # the leaves are private copies already (and must stay autograd leaves): call_op compares
+    # them, and the layout it copies, with snapshots around forward and backward
+    res = call_op(forward_backward, op, (leaf["q"], leaf["kv_raw"], leaf["sink"], lay), kw,
+                  private=False)
     b = getattr(res, "backends", None)
     backends = dict(b) if isinstance(b, dict) else {op: adapter.name}
     try:
@@ -348,7 +351,10 @@ def judge(case, x: dict, got: dict, *, precision: EM.Precision, consumed: dict |
     """
     con = dict(got if consumed is None else consumed)
     lay = case.layout()
-    prec = precision
+    # precision: one Precision, or op -> Precision (the op whose outputs a bound judges)
+    prec_of = (precision.get if isinstance(precision, dict) else  # noqa: E731
+               lambda op: precision)
+    prec = tuple(sorted(precision.items())) if isinstance(precision, dict) else precision
     v: list[CheckResult] = []
     xc = {k: t.detach().to("cpu") for k, t in x.items()}
     cpu = lambda t: None if t is None else t.detach().to("cpu")  # noqa: E731
@@ -364,7 +370,7 @@ def judge(case, x: dict, got: dict, *, precision: EM.Precision, consumed: dict |
                     xc["q_idx"], xc["k_idx"], xc["weights"])
                 b_s = memo("scores_bound", lambda: EM.indexer_scores_bound(
                     xc["q_idx"], xc["k_idx"], xc["weights"], lay, case.ratio, s_o,
-                    precision=prec), xc["q_idx"], xc["k_idx"], xc["weights"])
+                    precision=prec_of("indexer_scores")), xc["q_idx"], xc["k_idx"], xc["weights"])
                 if "scores" in got:
                     v.append(_tagged(_numeric("scores", got["scores"], s_o, b_s), "scores"))
             else:
@@ -416,7 +422,8 @@ def judge(case, x: dict, got: dict, *, precision: EM.Precision, consumed: dict |
             maps["sink_only"] = empty
     if "out" in got:
         b_out, b_lse = memo("fwd_bound", lambda: EM.attention_forward_bound(
-            q, kv, ids_c, sink, out_o, lse_o, precision=prec, v_dim=case.v_dim, lengths=len_c),
+            q, kv, ids_c, sink, out_o, lse_o, precision=prec_of("sparse_attention_forward"),
+            v_dim=case.v_dim, lengths=len_c),
             q, kv, ids_c, sink, len_c)
         v.append(_tagged(_numeric("out", got["out"], out_o, b_out), "out"))
         v.append(_tagged(_numeric("lse", got["lse"], lse_o, b_lse), "lse"))
@@ -440,7 +447,8 @@ def judge(case, x: dict, got: dict, *, precision: EM.Precision, consumed: dict |
             q, kv, ids_c, sink, out_i, lse_i, dout, v_dim=case.v_dim, lengths=len_c),
             q, kv, ids_c, sink, out_i, lse_i, dout, len_c)
         b_dq, b_dkv, b_ds = memo("bwd_bound", lambda: EM.attention_backward_bound(
-            q, kv, ids_c, sink, out_i, lse_i, dout, dq_o, dkv_o, ds_o, precision=prec,
+            q, kv, ids_c, sink, out_i, lse_i, dout, dq_o, dkv_o, ds_o,
+            precision=prec_of("sparse_attention_backward"),
             v_dim=case.v_dim, lengths=len_c), q, kv, ids_c, sink, out_i, lse_i, dout, len_c)
         v.append(_tagged(_numeric("dq", got["dq"], dq_o, b_dq), "dq"))
         v.append(_tagged(_numeric("dkv", got["dkv"], dkv_o, b_dkv), "dkv"))
@@ -460,7 +468,7 @@ def judge(case, x: dict, got: dict, *, precision: EM.Precision, consumed: dict |
                 q, xc["kv_cmp"], sink, lse_i, cmp, scores, case.coeff)
             LB = memo("loss_bound", lambda: EM.indexer_loss_bound(
                 q, xc["kv_cmp"], sink, lse_i, cmp, scores, lay, L, coeff=case.coeff,
-                precision=prec), q, xc["kv_cmp"], sink, lse_i, cmp, scores, case.coeff)
+                precision=prec_of("sparse_indexer_loss")), q, xc["kv_cmp"], sink, lse_i, cmp, scores, case.coeff)
             for name in ("loss", "kl", "target", "predict"):
                 v.append(_tagged(_numeric(name, got[name], getattr(L, name),
                                                  getattr(LB, name)), name))
@@ -472,7 +480,8 @@ def judge(case, x: dict, got: dict, *, precision: EM.Precision, consumed: dict |
                 case.coeff)
             g_b = memo("grad_bound", lambda: EM.indexer_loss_grad_bound(
                 xc["q_idx"], xc["k_idx"], xc["weights"], cmp, tgt, prd, *g_o, coeff=case.coeff,
-                num_real=lay.num_real, precision=prec), xc["q_idx"], xc["k_idx"],
+                num_real=lay.num_real, precision=prec_of("sparse_indexer_loss_grad")),
+                xc["q_idx"], xc["k_idx"],
                 xc["weights"], cmp, tgt, prd, case.coeff)
             for name, o, bb in zip(("dq_idx", "dw", "dk_idx"), g_o, g_b):
                 v.append(_tagged(_numeric(name, got[name], o, bb), name))

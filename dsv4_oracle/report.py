@@ -22,7 +22,7 @@ import xml.etree.ElementTree as ET
 import torch
 
 from .conformance import QUANTITIES
-from .runner import LEVELS, RunResult
+from .runner import LEVELS, RunResult, precision_lines, precision_summary
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "quantity_rows", "report_dict", "validate_report",
            "format_summary", "write_report", "write_junit", "fmt_ratio"]
@@ -140,7 +140,8 @@ def report_dict(result: RunResult, *, argv=None) -> dict:
         "run": {"impl": result.adapter.spec, "adapter": result.adapter.name,
                 "device": result.adapter.device, "ops": list(result.ops),
                 "catalog": result.catalog, "case_patterns": list(result.patterns),
-                "replays": result.replays, "started_utc": result.started_utc,
+                "replays": result.replays, "precision": precision_summary(result),
+                "started_utc": result.started_utc,
                 "elapsed_s": round(result.elapsed_s, 3),
                 "argv": list(sys.argv[1:] if argv is None else argv)},
         "summary": {"cases": len(result.outcomes),
@@ -279,6 +280,8 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
                + (f" (backends: {', '.join(backends)})" if backends else "")
                + f"; {result.catalog} catalog, {len(result.outcomes)} cases, "
                f"replays {result.replays}")
+    p_lines, p_flag = precision_lines(result)
+    out += p_lines
     rows = []
     for r in quantity_rows(result):
         status = "FAIL" if r["failed"] else "ok"
@@ -325,11 +328,11 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
         w = (f"; worst ratio {fmt_ratio(worst[0])} ({worst[3]}, {worst[1]} [{worst[2]}])"
              if worst else "")
         out.append(_paint(f"PASS: {n_checks} checks on {len(result.outcomes)} cases{w} "
-                          f"in {result.elapsed_s:.1f} s", "green", color))
+                          f"in {result.elapsed_s:.1f} s{p_flag}", "green", color))
     else:
         out.append(_paint(f"FAIL: {n_failed} of {n_checks} checks failed in {bad_cases} of "
-                          f"{len(result.outcomes)} cases ({result.elapsed_s:.1f} s)", "red",
-                          color))
+                          f"{len(result.outcomes)} cases ({result.elapsed_s:.1f} s){p_flag}",
+                          "red", color))
     return "\n".join(out)
 
 
@@ -376,6 +379,11 @@ def _markdown(d: dict, images: list[str]) -> str:
               f"- worst ratio: {fmt_ratio(s['worst_ratio'])}"
               + (f" ({s['worst']['quantity']}, case {s['worst']['case']} "
                  f"[{s['worst']['level']}])" if s["worst"] else ""),
+              f"- precision assumed ({run['precision']['source']}): "
+              + "; ".join(f"{dt}: " + ", ".join(f"{op} {p}" for op, p in ops.items())
+                          for dt, ops in run["precision"]["assumed"].items())
+              + ("; **looser than the default**: " + "; ".join(run["precision"]["looser"])
+                 if run["precision"]["looser"] else ""),
               f"- machine: {d['machine']['platform']}, {d['machine']['cpu_count']} CPUs, torch "
               f"{d['machine']['torch']}, CUDA device {d['machine']['cuda_device']}",
               f"- started {run['started_utc']}, {run['elapsed_s']:.1f} s; oracle "
