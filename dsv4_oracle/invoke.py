@@ -40,7 +40,8 @@ import torch
 __all__ = ["OpError", "call_op", "where", "op_timeout", "abandoned", "arg_names", "describe"]
 
 EXIT_HUNG = 1
-_GRACE_S = 10.0             # after the timeout, how long an op stuck in native code is given
+_GRACE_S = (2.0, 10.0)      # after the timeout, how long an op stuck in native code is given:
+                            # the timeout itself, within these limits
 _ALARM_REPEAT_S = 1.0
 
 
@@ -130,7 +131,8 @@ def _alarm_call(fn, op: str, timeout: float, hard_exit: bool):
                   f"cannot be interrupted (it is stuck in native code); exiting with status "
                   f"{EXIT_HUNG}", file=sys.stderr, flush=True)
             os._exit(EXIT_HUNG)
-        watchdog = threading.Timer(timeout + _GRACE_S, give_up)
+        grace = min(max(timeout, _GRACE_S[0]), _GRACE_S[1])
+        watchdog = threading.Timer(timeout + grace, give_up)
         watchdog.daemon = True
     old_handler = signal.signal(signal.SIGALRM, on_alarm)
     old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, timeout, _ALARM_REPEAT_S)

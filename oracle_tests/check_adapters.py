@@ -5,6 +5,20 @@
   6). Everything else is the real implementation, so exactly one quantity must fail.
 - :class:`RaisingAdapter`: the attention forward raises (a kernel that rejects a shape).
 - :class:`MutatingAdapter`: the attention forward writes into its ``q`` argument.
+- writes into what the runner hands an op, each turning a wrong answer into the oracle's if
+  the oracle were evaluated on the written tensor: :class:`LseFillBackwardAdapter` (``lse``
+  set to +inf, zero gradients), :class:`ZeroTargetAdapter` (``target``/``predict`` zeroed, zero
+  indexer gradients), :class:`ZeroLengthsAdapter` (``lengths`` zeroed, sink-only results),
+  :class:`ClampIdsAdapter` (``ids`` clamped to -1), :class:`LayoutWriterAdapter` (the layout's
+  ``cu_seqlens``), :class:`LayerLeafWriterAdapter` (the packed layer's layout),
+  :class:`ResultRewriterAdapter` (a returned ``out`` rewritten by a later call);
+- :class:`ExitingAdapter` (``sys.exit(0)`` in an op), :class:`InterruptedAdapter` (Ctrl-C),
+  :class:`SleeperAdapter` / :class:`StubbornSleeperAdapter` (an op that never returns; the
+  second swallows every interrupt);
+- :class:`LoosePrecisionAdapter` / :class:`MappedPrecisionAdapter`: ``out`` 10% too large,
+  passed off by declaring bf16 accumulation (for every op / for the forward in a mapping);
+- :class:`RaisingNameAdapter`, :class:`RaisingUnavailableAdapter`,
+  :class:`RaisingPrecisionAdapter`: adapter attributes that raise while it is inspected.
 
 Used as ``--impl oracle_tests.check_adapters:SignFlipAdapter`` from the repository root.
 """
@@ -230,3 +244,33 @@ class RaisingUnavailableAdapter(RaisingAdapter):
 class RaisingPrecisionAdapter(RaisingAdapter):
     def precision(self, dtype):
         raise RuntimeError("no precision table (test fixture)")
+
+
+class StubbornSleeperAdapter:
+    """The attention forward never returns and swallows every interrupt, even the timeout's
+    (as an op stuck in native code would never see it)."""
+
+    name = "stubborn sleeper (test fixture)"
+
+    def sparse_attention_forward(self, q, kv, ids, sink, *, v_dim=None, lengths=None):
+        while True:
+            try:
+                time.sleep(3600)
+            except BaseException:
+                pass
+
+
+class InterruptedAdapter:
+    """The attention forward is interrupted by the user (Ctrl-C)."""
+
+    name = "interrupted forward (test fixture)"
+
+    def sparse_attention_forward(self, q, kv, ids, sink, *, v_dim=None, lengths=None):
+        raise KeyboardInterrupt
+
+
+class MappedPrecisionAdapter(LoosePrecisionAdapter):
+    """:class:`LoosePrecisionAdapter` declaring its loose precision for the forward only, as a
+    mapping op -> Precision."""
+
+    precision = {"sparse_attention_forward": Precision(acc=torch.bfloat16, io=torch.bfloat16)}
