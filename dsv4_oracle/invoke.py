@@ -14,7 +14,8 @@ the run without a verdict:
 - **raising, exiting or hanging is a failure of the op.** Any exception, and also
   ``SystemExit``, ``GeneratorExit`` and every other ``BaseException`` from adapter code, is an
   :class:`OpError`; only ``KeyboardInterrupt`` (the user's Ctrl-C) propagates.
-- **a per-op timeout** (:func:`op_timeout`, ``check --timeout``): in the main thread a
+- **a per-op timeout** (:func:`op_timeout`, ``check --timeout``), which covers the op's CUDA
+  work too (the device is synchronized before the op counts as returned): in the main thread a
   ``SIGALRM`` timer interrupts the op (re-armed every second, so that an op that swallows the
   interrupt is interrupted again); elsewhere the op runs in a daemon thread that is abandoned
   when it overruns (:func:`abandoned` names them, so that the command can exit with
@@ -128,8 +129,8 @@ def _alarm_call(fn, op: str, timeout: float, hard_exit: bool):
         def give_up():
             sys.stdout.flush()
             print(f"dsv4-oracle: error: {op} did not return within {timeout:g} s (--timeout) and "
-                  f"cannot be interrupted (it is stuck in native code); exiting with status "
-                  f"{EXIT_HUNG}", file=sys.stderr, flush=True)
+                  f"cannot be interrupted (stuck in native code, or swallowing interrupts); "
+                  f"exiting with status {EXIT_HUNG}", file=sys.stderr, flush=True)
             os._exit(EXIT_HUNG)
         grace = min(max(timeout, _GRACE_S[0]), _GRACE_S[1])
         watchdog = threading.Timer(timeout + grace, give_up)
@@ -144,7 +145,7 @@ def _alarm_call(fn, op: str, timeout: float, hard_exit: bool):
     finally:
         armed[0] = False
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old_handler)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if old_handler is None else old_handler)
         if watchdog:
             watchdog.cancel()
         if old_delay:           # an outer timer (e.g. a test runner's): give back what is left
@@ -316,7 +317,13 @@ def call_op(fn, op: str, args: tuple = (), kwargs: dict | None = None, *, timeou
     h_args = tuple(_hand_out(a, names[i] if i < len(names) else f"args[{i}]", pairs, private)
                    for i, a in enumerate(args))
     h_kwargs = {k: _hand_out(v, k, pairs, private) for k, v in (kwargs or {}).items()}
-    run = lambda: fn(*h_args, **h_kwargs)  # noqa: E731
+    cuda = any(isinstance(h, torch.Tensor) and h.is_cuda for _, _, h in pairs)
+
+    def run():
+        res = fn(*h_args, **h_kwargs)
+        if cuda:        # kernels still running (or hung, or faulting) belong to this op
+            torch.cuda.synchronize()
+        return res
     t0 = time.monotonic()
     try:
         if not timeout:
