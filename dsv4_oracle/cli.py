@@ -1,14 +1,16 @@
 """The ``dsv4-oracle`` console script.
 
 A usage error (an unknown option or value, a missing command) is one line on stderr and exit
-status 2, never a traceback; Ctrl-C is one line and exit status 130.
+status 2, never a traceback; Ctrl-C is one line and exit status 130; a closed stdout (``| head``)
+ends the command quietly with status 1.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
+EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 2, 130, 1
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -44,6 +46,10 @@ def main(argv=None) -> int:
         except SystemExit as exc:          # a usage error (one line) or --help
             return exc.code if isinstance(exc.code, int) else EXIT_USAGE
         return args.func(args)
+    except BrokenPipeError:                # stdout closed early (``| head``): no traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         sys.stdout.flush()
         print("dsv4-oracle: interrupted", file=sys.stderr)

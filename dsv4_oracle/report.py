@@ -280,7 +280,7 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
                + (f" (backends: {', '.join(backends)})" if backends else "")
                + f"; {result.catalog} catalog, {len(result.outcomes)} cases, "
                f"replays {result.replays}")
-    p_lines, p_flag = precision_lines(result)
+    p_lines, p_flag = precision_lines(precision_summary(result))
     out += p_lines
     rows = []
     for r in quantity_rows(result):
@@ -379,11 +379,9 @@ def _markdown(d: dict, images: list[str]) -> str:
               f"- worst ratio: {fmt_ratio(s['worst_ratio'])}"
               + (f" ({s['worst']['quantity']}, case {s['worst']['case']} "
                  f"[{s['worst']['level']}])" if s["worst"] else ""),
-              f"- precision assumed ({run['precision']['source']}): "
-              + "; ".join(f"{dt}: " + ", ".join(f"{op} {p}" for op, p in ops.items())
-                          for dt, ops in run["precision"]["assumed"].items())
-              + ("; **looser than the default**: " + "; ".join(run["precision"]["looser"])
-                 if run["precision"]["looser"] else ""),
+              "- " + (" ".join(line.strip() for line in precision_lines(run["precision"])[0])
+                      .replace("WARNING: ", "**looser than the default**: ")
+                      or "precision assumed: none (no op ran)"),
               f"- machine: {d['machine']['platform']}, {d['machine']['cpu_count']} CPUs, torch "
               f"{d['machine']['torch']}, CUDA device {d['machine']['cuda_device']}",
               f"- started {run['started_utc']}, {run['elapsed_s']:.1f} s; oracle "

@@ -336,23 +336,25 @@ def precision_summary(result: RunResult) -> dict:
             "looser": [f"{k}: {', '.join(v)}" for k, v in looser.items()]}
 
 
-def precision_lines(result: RunResult) -> tuple[list[str], str]:
-    """``(lines, flag)`` for the terminal: the precision assumed per op (grouped), a warning
-    when it is looser than the default, and ``flag``, the verdict line's note ("" if none)."""
-    s = precision_summary(result)
+def precision_lines(s: dict) -> tuple[list[str], str]:
+    """``(lines, flag)`` of a :func:`precision_summary`: the precision assumed (per input dtype,
+    per op where the ops differ), a warning when it is looser than the default, and ``flag``,
+    the verdict line's note ("" if none)."""
     src = {"adapter": "declared by the adapter", "default": "the default",
            "forced default": "the default, --precision default"}.get(s["source"], s["source"])
-    groups: dict = {}
-    for dt, ops in s["assumed"].items():
-        for op, p in ops.items():
-            groups.setdefault(p, []).append(f"{op} ({dt})")
-    if not groups:
+    if not s["assumed"]:
         return [], ""
+    groups: dict = {}            # description -> dtypes of the cases it applies to
+    for dt, ops in s["assumed"].items():
+        ps = set(ops.values())
+        desc = (next(iter(ps)) if len(ps) == 1 else
+                "; ".join(f"{op}: {p}" for op, p in ops.items()))
+        groups.setdefault(desc, []).append(dt)
     if len(groups) == 1:
         lines = [f"precision assumed ({src}): {next(iter(groups))}"]
     else:
-        lines = [f"precision assumed ({src}):"] + [f"  {p}: {', '.join(ops)}"
-                                                   for p, ops in groups.items()]
+        lines = [f"precision assumed ({src}):"] + [f"  {', '.join(dts)} inputs: {desc}"
+                                                   for desc, dts in groups.items()]
     flag = ""
     if s["looser"]:
         lines.append("WARNING: the adapter declares a precision looser than the default, which "
