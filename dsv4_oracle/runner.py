@@ -140,10 +140,11 @@ class RunResult:
     @property
     def judged(self) -> int:
         """Checks that judged something the implementation did (every failing check, and every
-        passing one but the :data:`STRUCTURAL` ones, which hold when nothing ran), plus cases
-        that failed setup."""
+        passing one but those not judged and the :data:`STRUCTURAL` ones, which hold when
+        nothing ran), plus cases that failed setup."""
         return sum(1 for o in self.outcomes for c in o.checks
-                   if not c.passed or c.extra.get("quantity") not in STRUCTURAL) + \
+                   if not c.passed or (getattr(c, "judged", True)
+                                       and c.extra.get("quantity") not in STRUCTURAL)) + \
             sum(1 for o in self.outcomes if o.error)
 
 
