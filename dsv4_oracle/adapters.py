@@ -28,15 +28,11 @@ op (contract section)                 call -> return (first fields; more are ign
 adapter's ``device`` in the case's dtype; results may be any dtype on any device. A result that
 carries a ``backend`` attribute (as :mod:`gpu_impl.api` results do) is recorded in the report.
 
-Optional attributes: ``name`` (str), ``device`` (``"cpu"`` by default), ``precision`` (the
-working precision the error model assumes: a :class:`reference.error_model.Precision`, a
-callable ``dtype -> Precision``, or a mapping op name -> either of those, for adapters whose ops
-differ; ops a mapping does not name, and adapters without ``precision``, get
-:func:`default_precision`: float32 accumulation and statistics with outputs stored in the input
-dtype), ``ops`` (the tuple of op names the adapter claims; each must be callable) and
-``unavailable()`` (``None``, or a one-line reason why the adapter cannot run on this machine).
-A declared precision looser than the default widens the adapter's own bounds: the verdict says
-so, and ``check --precision default`` ignores the declaration.
+Optional attributes: ``name`` (str), ``device`` (``"cpu"`` by default), ``precision`` (a
+:class:`reference.error_model.Precision`, or a callable ``dtype -> Precision``; the default is
+float32 accumulation and statistics with outputs stored in the input dtype), ``ops`` (the
+tuple of op names the adapter claims; each must be callable) and ``unavailable()`` (``None``, or
+a one-line reason why the adapter cannot run on this machine).
 
 An adapter may implement any subset: the runner feeds every op the oracle's result for the ops
 the adapter lacks (rounded as a kernel would store it) and judges only what the adapter
@@ -45,6 +41,12 @@ of the runner), ``gpu_impl:torch`` (the portable backend), ``gpu_impl:cudnn`` (c
 kernels where they run the op's shapes, the torch backend for the rest, on CUDA). A user's own
 adapter is named ``module:attr`` or ``module`` (the current directory is importable), or
 ``path/to/file.py:attr`` (the module is the file, named by its stem).
+
+``precision`` may also be a mapping op name -> a Precision or a callable ``dtype -> Precision``,
+for adapters whose ops differ (ops it does not name, and the packed layer unless it names
+``csa_layer``, get :func:`default_precision`). A declared precision looser than the default
+widens the adapter's own bounds: the verdict says so, and ``check --precision default`` ignores
+the declaration.
 
 Everything the adapter's own code does while it is loaded and inspected (importing it, making
 it, reading ``name``, ``device``, ``precision``, ``ops``, calling ``unavailable()`` and

@@ -22,7 +22,7 @@ import xml.etree.ElementTree as ET
 import torch
 
 from .conformance import QUANTITIES
-from .runner import LEVELS, RunResult, precision_lines, precision_summary
+from .runner import LEVELS, RunResult
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "quantity_rows", "report_dict", "validate_report",
            "format_summary", "write_report", "write_junit", "fmt_ratio"]
@@ -114,6 +114,7 @@ def _json_ratio(r):
 def report_dict(result: RunResult, *, argv=None) -> dict:
     """The report as a JSON-ready dict (schema :data:`SCHEMA` version :data:`SCHEMA_VERSION`)."""
     import reference
+    from .runner import precision_summary
     worst = _worst(result)
     cases = []
     for o in result.outcomes:
@@ -280,6 +281,7 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
                + (f" (backends: {', '.join(backends)})" if backends else "")
                + f"; {result.catalog} catalog, {len(result.outcomes)} cases, "
                f"replays {result.replays}")
+    from .runner import precision_lines, precision_summary
     p_lines, p_flag = precision_lines(precision_summary(result))
     out += p_lines
     rows = []
@@ -366,6 +368,7 @@ def write_junit(result: RunResult, path: str) -> None:
 
 
 def _markdown(d: dict, images: list[str]) -> str:
+    from .runner import precision_lines
     s, run = d["summary"], d["run"]
     lines = [f"# dsv4-oracle check: {'PASS' if d['passed'] else 'FAIL'}", ""]
     lines += [f"- implementation: `{run['impl']}` (adapter {run['adapter']}) on "
