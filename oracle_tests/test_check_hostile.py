@@ -122,11 +122,13 @@ def test_call_op_hands_out_copies_and_names_the_written_elements():
 # ---------------------------------------------------------------------------------------------
 # exiting, interrupting, hanging
 # ---------------------------------------------------------------------------------------------
-def test_exit_in_an_op_fails_the_op(capsys):
-    rc, out, err = check(capsys, "--impl", FIX + "ExitingAdapter", "--case", OP_CASE)
+def test_exit_in_an_op_fails_the_op(capsys, tmp_path):
+    rc, out, err = check(capsys, "--impl", FIX + "ExitingAdapter", "--case", OP_CASE,
+                         "--junit", str(tmp_path / "j.xml"))
     assert rc == 1 and "Traceback" not in out + err
     assert "run: sparse_attention_forward: exited SystemExit: 0 (at check_adapters.py:" in out
-    assert out.rstrip().splitlines()[-1].startswith("FAIL: 1 of 1 checks failed")
+    assert "\nFAIL: 1 of 1 checks failed in 1 of 1 cases" in out
+    assert 'failures="1"' in (tmp_path / "j.xml").read_text()
 
 
 @pytest.mark.parametrize("spec, needle", [
@@ -188,6 +190,26 @@ def test_outside_the_main_thread_a_hung_op_is_abandoned():
     release.set()
     assert box["exc"].kind == "timeout" and "did not return within 0.3 s" in box["exc"].message
     assert "hung_op" in box["abandoned"]
+
+
+def test_a_hung_op_thread_does_not_keep_the_process_alive(tmp_path):
+    """check run outside the main thread (no SIGALRM): the op thread is abandoned after the
+    timeout, the reports are written, and the process exits 1 instead of waiting for it."""
+    junit = tmp_path / "j.xml"
+    argv = ["check", "--no-progress", "--impl", FIX + "SleeperAdapter", "--case", OP_CASE,
+            "--timeout", "1", "--junit", str(junit)]
+    code = (f"import sys, threading\nfrom dsv4_oracle.cli import main\n"
+            f"t = threading.Thread(target=main, args=({argv!r},))\nt.start()\nt.join()\n"
+            f"sys.exit(0)\n")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "run: sparse_attention_forward: did not return within 1 s (--timeout)" in p.stdout
+    assert p.stderr.strip().splitlines()[-1] == (
+        "dsv4-oracle check: sparse_attention_forward never returned; exiting without waiting "
+        "for it")
+    assert 'failures="1"' in junit.read_text()
 
 
 def test_an_op_stuck_past_every_interrupt_ends_the_process():
