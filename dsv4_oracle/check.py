@@ -143,9 +143,9 @@ def _main_check(args) -> int:
     if result.judged == 0:
         what = f"--ops {','.join(ops)}" if ops else f"adapter {adapter.spec}'s ops"
         ids = ", ".join(c.id for c in cases[:3]) + (", ..." if len(cases) > 3 else "")
-        return _usage_error(f"nothing was judged: {what} produce no output on the "
-                            f"{len(cases)} selected case(s) ({ids}); csa_layer runs on layer "
-                            f"cases with indexer scores, the attention ops on every case")
+        return _usage_error(f"nothing was judged: {what} on the {len(cases)} selected "
+                            f"case(s) ({ids}) yield no check that can fail (csa_layer runs on "
+                            f"layer cases with indexer scores, the attention ops on every case)")
     rc = _present(result, args)
     from .invoke import abandoned
     stuck = abandoned()

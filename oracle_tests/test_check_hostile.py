@@ -281,7 +281,10 @@ def test_precision_resolves_per_op():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args, needle", [
     (["--ops", "csa_layer", "--case", "hostile-ids-no-lengths"], "nothing was judged: --ops "
-     "csa_layer produce no output on the 1 selected case(s) (hostile-ids-no-lengths)"),
+     "csa_layer on the 1 selected case(s) (hostile-ids-no-lengths) yield no check that can "
+     "fail"),
+    (["--ops", "stable_topk", "--case", "hostile-ids-no-lengths"], "nothing was judged: --ops "
+     "stable_topk on the 1 selected case(s)"),
     (["--impl", ""], "--impl must name an adapter"),
     (["--impl", FIX + "RaisingNameAdapter"], "reading its attribute 'name': RuntimeError: "
      "adapter attribute failed"),
