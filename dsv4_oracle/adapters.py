@@ -42,7 +42,19 @@ the adapter lacks (rounded as a kernel would store it) and judges only what the 
 computed. Built in: ``reference`` (the oracle itself: every ratio must be exactly 0, a self-test
 of the runner), ``gpu_impl:torch`` (the portable backend), ``gpu_impl:cudnn`` (cuDNN/Triton
 kernels where they run the op's shapes, the torch backend for the rest, on CUDA). A user's own
-adapter is named ``module:attr`` or ``module`` (the current directory is importable).
+adapter is named ``module:attr`` or ``module`` (the current directory is importable), or
+``path/to/file.py:attr`` (the module is the file, named by its stem).
+
+``precision`` may also be a mapping op name -> a Precision or a callable ``dtype -> Precision``,
+for adapters whose ops differ (ops it does not name, and the packed layer unless it names
+``csa_layer``, get :func:`default_precision`). A declared precision looser than the default
+widens the adapter's own bounds: the verdict says so, and ``check --precision default`` ignores
+the declaration.
+
+Everything the adapter's own code does while it is loaded and inspected (importing it, making
+it, reading ``name``, ``device``, ``precision``, ``ops``, calling ``unavailable()`` and
+``precision``) that raises, or exits, is an :class:`AdapterError` with one line; while it runs,
+:mod:`dsv4_oracle.invoke` guards each op call.
 """
 from __future__ import annotations
 
@@ -50,15 +62,18 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
 
 from reference.error_model import ORACLE_PRECISION, Precision
 
+from .invoke import describe
+
 __all__ = [
     "OPS", "LAYER_OP", "ALL_OPS", "BUILTIN", "AdapterError", "Adapter", "load_adapter",
-    "default_impl", "default_precision", "GpuImplAdapter",
+    "default_impl", "default_precision", "looser_than_default", "GpuImplAdapter",
 ]
 
 # the op-level protocol, in pipeline order
@@ -80,58 +95,121 @@ def default_precision(dtype: torch.dtype) -> Precision:
     return Precision(acc=torch.float32, io=io, stats=torch.float32)
 
 
+def looser_than_default(precision: Precision, dtype: torch.dtype) -> list[str]:
+    """The fields of ``precision`` whose unit roundoff exceeds :func:`default_precision`'s for
+    inputs of ``dtype`` (``["acc bfloat16 > float32", ...]``; empty when none is looser)."""
+    d = default_precision(dtype)
+    name = lambda t: str(t).replace("torch.", "")  # noqa: E731
+    return [f"{f} {name(getattr(precision, f))} > {name(getattr(d, f))}"
+            for f in ("acc", "io", "stats")
+            if Precision.unit_roundoff(getattr(precision, f)) >
+            Precision.unit_roundoff(getattr(d, f))]
+
+
+def _guarded(what: str, fn: Callable, *args):
+    """``fn(*args)`` for adapter code run while loading or inspecting it: whatever it raises,
+    or a ``SystemExit``, is an :class:`AdapterError` (one line) naming ``what``."""
+    try:
+        return fn(*args)
+    except (AdapterError, KeyboardInterrupt):
+        raise
+    except BaseException as exc:       # the adapter's own code: never a traceback, never exit
+        raise AdapterError(f"{what}: {describe(exc)}") from None
+
+
 class Adapter:
     """A loaded implementation: the object providing the ops plus what the runner needs to know.
 
-    ``ops``: the op names it provides (in :data:`ALL_OPS` order); ``op(name)`` the callable.
+    ``ops``: the op names it provides (in :data:`ALL_OPS` order); ``op(name)`` the callable
+    (looked up once, when the adapter is loaded). ``precision_source``: ``"adapter"`` (it
+    declares a precision), ``"default"`` (it declares none) or ``"forced default"``
+    (:meth:`use_default_precision`).
     """
 
     def __init__(self, target: Any, *, name: str, device: str | None = None,
-                 precision: Precision | Callable | None = None, spec: str | None = None):
+                 precision: Precision | Callable | Mapping | None = None,
+                 spec: str | None = None):
         self.target = target
         self.name = name
         self.spec = spec or name
-        self.device = str(device if device is not None else getattr(target, "device", "cpu"))
-        self._precision = precision if precision is not None else getattr(target, "precision",
-                                                                           None)
-        declared = getattr(target, "ops", None)
+        attr = lambda a, default=None: _guarded(  # noqa: E731
+            f"adapter {self.spec}: reading its attribute {a!r}", getattr, target, a, default)
+        self.device = str(device if device is not None else attr("device", "cpu"))
+        self._precision = precision if precision is not None else attr("precision")
+        self._forced_default = False
+        if isinstance(self._precision, Mapping):
+            unknown = [o for o in self._precision if o not in ALL_OPS]
+            if unknown:
+                raise AdapterError(f"adapter {self.spec}: its precision names unknown op "
+                                   f"{unknown[0]!r}; the protocol's ops are "
+                                   f"{', '.join(ALL_OPS)}")
+        elif not (self._precision is None or isinstance(self._precision, Precision)
+                  or callable(self._precision)):
+            raise AdapterError(f"adapter {self.spec}: precision is a "
+                               f"{type(self._precision).__name__}; expected a Precision, a "
+                               f"callable dtype -> Precision, or a mapping op -> either")
+        declared = attr("ops")
         if isinstance(declared, (tuple, list, set, frozenset)):
             declared = tuple(declared)
             unknown = [o for o in declared if o not in ALL_OPS]
             if unknown:
                 raise AdapterError(f"adapter {self.spec} declares unknown ops {unknown}; the "
                                    f"protocol's ops are {', '.join(ALL_OPS)}")
-            missing = [o for o in declared if not callable(getattr(target, o, None))]
+            fns = {o: attr(o) for o in declared}
+            missing = [o for o in declared if not callable(fns[o])]
             if missing:
                 raise AdapterError(f"adapter {self.spec} declares op {missing[0]} but has no "
                                    f"callable attribute {missing[0]!r}")
-            self.ops = tuple(o for o in ALL_OPS if o in declared)
         else:
-            self.ops = tuple(o for o in ALL_OPS if callable(getattr(target, o, None)))
+            fns = {o: attr(o) for o in ALL_OPS}
+        self._fns = {o: f for o, f in fns.items() if callable(f)}
+        self.ops = tuple(o for o in ALL_OPS if o in self._fns)
         if not self.ops:
             raise AdapterError(f"adapter {self.spec} provides none of the ops "
                                f"({', '.join(ALL_OPS)})")
 
     def op(self, name: str) -> Callable:
-        return getattr(self.target, name)
+        return self._fns[name]
 
     def has(self, name: str) -> bool:
         return name in self.ops
 
-    def precision(self, dtype: torch.dtype) -> Precision:
+    def use_default_precision(self) -> None:
+        """Judge with :func:`default_precision` whatever the adapter declares
+        (``check --precision default``)."""
+        self._precision = None
+        self._forced_default = True
+
+    @property
+    def precision_source(self) -> str:
+        if self._forced_default:
+            return "forced default"
+        return "default" if self._precision is None else "adapter"
+
+    def precision(self, dtype: torch.dtype, op: str | None = None) -> Precision:
+        """The working precision the error model assumes for ``op`` on inputs of ``dtype``
+        (``op=None``: the adapter's precision when it declares one for every op)."""
         p = self._precision
+        if isinstance(p, Mapping):
+            p = p.get(op) if op is not None else None
         if p is None:
             return default_precision(dtype)
         if isinstance(p, Precision):
             return p
-        got = p(dtype)
+        what = f"adapter {self.spec}: precision({dtype})" + (f" for {op}" if op else "")
+        if not callable(p):
+            raise AdapterError(f"{what} is a {type(p).__name__}, expected a Precision or a "
+                               f"callable dtype -> Precision")
+        got = _guarded(what, p, dtype)
         if not isinstance(got, Precision):
-            raise AdapterError(f"adapter {self.spec}: precision({dtype}) returned "
-                               f"{type(got).__name__}, expected reference.error_model.Precision")
+            raise AdapterError(f"{what} returned {type(got).__name__}, expected "
+                               f"reference.error_model.Precision")
         return got
 
     def unavailable(self) -> str | None:
-        """Why the adapter cannot run here (``None`` when it can)."""
+        """Why the adapter cannot run here (``None`` when it can): its device is not a torch
+        device, holds no data (``meta``), or is CUDA without CUDA; or its ``unavailable()``
+        says why (or raises)."""
         dev = self.device
         try:
             d = torch.device(dev)
@@ -141,11 +219,23 @@ class Adapter:
             return (f"{self.spec} runs on CUDA, and this machine has no usable CUDA device "
                     "(torch.cuda.is_available() is False); on a CPU machine use "
                     "--impl gpu_impl:torch")
-        fn = getattr(self.target, "unavailable", None)
-        if callable(fn):
-            why = fn()
-            if why:
-                return f"{self.spec}: {why}"
+        if d.type == "meta":
+            return (f"device {dev!r} holds no values, and the check compares values; use "
+                    f"cpu or cuda")
+        try:
+            torch.zeros(1, device=d).cpu()
+        except Exception as exc:
+            return (f"device {dev!r} cannot hold the inputs here: "
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        try:
+            fn = _guarded(f"adapter {self.spec}: reading its attribute 'unavailable'",
+                          getattr, self.target, "unavailable", None)
+            why = _guarded(f"adapter {self.spec}: unavailable()", fn) if callable(fn) else None
+        except AdapterError as exc:
+            return str(exc)
+        if why:
+            lines = str(why).strip().splitlines()
+            return f"{self.spec}: {lines[0] if lines else why!r}"
         return None
 
     def describe(self) -> dict:
@@ -259,35 +349,67 @@ def load_adapter(spec: str, device: str | None = None) -> Adapter:
     """
     if not isinstance(spec, str) or not spec.strip():
         raise AdapterError("--impl must name an adapter: reference, gpu_impl:torch, "
-                           "gpu_impl:cudnn, or module:attr")
+                           "gpu_impl:cudnn, module:attr or path/to/file.py:attr")
     spec = spec.strip()
     if spec in BUILTIN:
         return _builtin(spec, device)
     if spec.startswith("gpu_impl:"):
         raise AdapterError(f"unknown built-in {spec!r}; built-ins are {', '.join(BUILTIN)}")
-    module_name, _, attr = spec.partition(":")
-    if not module_name or (":" in spec and not attr):
-        raise AdapterError(f"--impl {spec!r} is not of the form module:attr")
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)          # the user's own adapter lives beside them
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as exc:             # any failure while importing the user's module
-        raise AdapterError(f"cannot import module {module_name!r} for --impl {spec}: "
-                           f"{type(exc).__name__}: {exc}") from None
+    if spec.endswith(".py") or ".py:" in spec:
+        path, _, attr = spec.rpartition(".py")
+        path, attr = path + ".py", attr[1:]
+        if spec.endswith(".py:") or (attr and attr.startswith(":")):
+            raise AdapterError(f"--impl {spec!r} is not of the form path/to/file.py:attr")
+        module_name, obj = _import_file(path, spec)
+    else:
+        module_name, _, attr = spec.partition(":")
+        if not module_name or (":" in spec and not attr):
+            raise AdapterError(f"--impl {spec!r} is not of the form module:attr")
+        cwd = os.getcwd()
+        if cwd not in sys.path and "" not in sys.path:
+            sys.path.insert(0, cwd)          # the user's own adapter lives beside them
+        obj = _guarded(f"cannot import module {module_name!r} for --impl {spec}",
+                       importlib.import_module, module_name)
     for part in attr.split(".") if attr else ():
-        if not hasattr(obj, part):
+        has = _guarded(f"--impl {spec}: reading {part!r}", hasattr, obj, part)
+        if not has:
             raise AdapterError(f"module {module_name!r} has no attribute {attr!r} "
                                f"(--impl {spec})")
-        obj = getattr(obj, part)
-    provides = any(callable(getattr(obj, o, None)) for o in ALL_OPS)
+        obj = _guarded(f"--impl {spec}: reading {part!r}", getattr, obj, part)
+    provides = any(callable(_guarded(f"--impl {spec}: reading {o!r}", getattr, obj, o, None))
+                   for o in ALL_OPS)
     if isinstance(obj, type) or (callable(obj) and not provides):
-        try:
-            obj = obj()
-        except Exception as exc:
-            raise AdapterError(f"--impl {spec}: calling {attr or module_name}() to make the "
-                               f"adapter failed: {type(exc).__name__}: {exc}") from None
-    name = getattr(obj, "name", None)
+        obj = _guarded(f"--impl {spec}: calling {attr or module_name}() to make the "
+                       f"adapter failed",
+                       obj)
+    name = _guarded(f"adapter {spec}: reading its attribute 'name'", getattr, obj, "name", None)
     name = name if isinstance(name, str) and name else spec
     return Adapter(obj, name=name, device=device, spec=spec)
+
+
+def _import_file(path: str, spec: str):
+    """``(module name, module)`` of the adapter file ``path`` (the module is named by the
+    file's stem and imported from that path)."""
+    if not os.path.isfile(path):
+        why = "is a directory" if os.path.isdir(path) else "does not exist"
+        raise AdapterError(f"--impl {spec}: the file {path!r} {why}")
+    name = os.path.splitext(os.path.basename(path))[0]
+    if not name.isidentifier():
+        raise AdapterError(f"--impl {spec}: the file name {os.path.basename(path)!r} is not a "
+                           f"Python module name")
+    loader_spec = importlib.util.spec_from_file_location(name, os.path.abspath(path))
+    if loader_spec is None or loader_spec.loader is None:
+        raise AdapterError(f"--impl {spec}: cannot load {path!r} as a Python module")
+    module = importlib.util.module_from_spec(loader_spec)
+    previous = sys.modules.get(name)
+    sys.modules[name] = module          # (dataclasses and pickling look the module up)
+    try:
+        _guarded(f"cannot import module {name!r} for --impl {spec}",
+                 loader_spec.loader.exec_module, module)
+    except AdapterError:
+        if previous is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = previous
+        raise
+    return name, module

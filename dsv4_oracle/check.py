@@ -6,18 +6,24 @@ float64 oracle with the contract's error model, checks bitwise replays, grad-mod
 input immutability (:mod:`dsv4_oracle.runner`), then prints a summary table and optionally
 writes ``report.json`` / ``report.md`` / PNG plots and a JUnit file (:mod:`dsv4_oracle.report`).
 
-Exit status: 0 when every check holds, 1 when a check fails, 2 for a bad invocation (an
-unknown case, an adapter that cannot be imported or lacks an op, a CUDA implementation on a
-machine without CUDA): one line on stderr, no traceback.
+Exit status: 0 when every check holds, 1 when a check fails (an op that raises, exits, hangs
+past ``--timeout`` or writes into its arguments fails its checks), 2 for a bad invocation (an
+unknown case, an adapter that cannot be imported, made or inspected or lacks an op, a device
+that cannot hold the inputs, a CUDA implementation on a machine without CUDA, a selection that
+judges nothing): one line on stderr, no traceback; 130 when interrupted (Ctrl-C), with one
+line. The process never exits 0 without a verdict.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-__all__ = ["add_parser", "main_check", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
+__all__ = ["add_parser", "main_check", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE",
+           "EXIT_INTERRUPTED", "DEFAULT_TIMEOUT_S"]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+DEFAULT_TIMEOUT_S = 900.0
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -34,7 +40,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                "gpu_impl:torch on the CPU.")
     p.add_argument("--impl", metavar="SPEC", default=None,
                    help="the implementation: reference | gpu_impl:torch | gpu_impl:cudnn | "
-                        "module:attr (default: gpu_impl:cudnn with CUDA, else gpu_impl:torch)")
+                        "module:attr | path/to/file.py:attr (default: gpu_impl:cudnn with "
+                        "CUDA, else gpu_impl:torch)")
     p.add_argument("--device", default=None,
                    help="device the inputs are put on (default: the adapter's own)")
     p.add_argument("--catalog", choices=("quick", "full"), default=None,
@@ -46,6 +53,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         f"ops: {', '.join(ALL_OPS)}")
     p.add_argument("--replays", type=int, default=3, metavar="N",
                    help="bitwise replays per case and level (default 3; below 2: no replay check)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help=f"an op call that does not return within SECONDS fails (default "
+                        f"{DEFAULT_TIMEOUT_S:g}; 0: no limit)")
+    p.add_argument("--precision", choices=("adapter", "default"), default="adapter",
+                   help="the working precision the error model assumes: the adapter's "
+                        "declaration (default; a declaration looser than the default is "
+                        "flagged) or the default (float32 accumulation, outputs in the input "
+                        "dtype) whatever the adapter declares")
     p.add_argument("--report", metavar="DIR", default=None,
                    help="write report.json, report.md and PNG plots into DIR")
     p.add_argument("--junit", metavar="FILE", default=None, help="write JUnit XML to FILE")
@@ -63,11 +78,23 @@ def _usage_error(msg: str) -> int:
 
 
 def main_check(args) -> int:
+    try:
+        return _main_check(args)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print("dsv4-oracle check: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main_check(args) -> int:
     from .adapters import ALL_OPS, AdapterError, default_impl, load_adapter
     from .runner import SelectionError, run_check, select_cases
 
     if args.replays < 0:
         return _usage_error(f"--replays must be >= 0, got {args.replays}")
+    if not args.timeout >= 0 or args.timeout == float("inf"):
+        return _usage_error(f"--timeout must be a number of seconds >= 0 (0: no limit), got "
+                            f"{args.timeout:g}")
     try:
         cases, catalog = select_cases(args.catalog, args.case)
     except SelectionError as exc:
@@ -77,7 +104,7 @@ def main_check(args) -> int:
             print(f"{c.id:34s} {', '.join(c.categories)}")
         print(f"{len(cases)} cases ({catalog} catalog)")
         return EXIT_OK
-    spec = args.impl or default_impl()
+    spec = default_impl() if args.impl is None else args.impl
     try:
         adapter = load_adapter(spec, device=args.device)
     except AdapterError as exc:
@@ -85,6 +112,8 @@ def main_check(args) -> int:
     why = adapter.unavailable()
     if why:
         return _usage_error(why)
+    if args.precision == "default":
+        adapter.use_default_precision()
     ops = None
     if args.ops:
         ops = tuple(o.strip() for o in args.ops.split(",") if o.strip())
@@ -95,20 +124,42 @@ def main_check(args) -> int:
         if missing:
             return _usage_error(f"adapter {adapter.spec} lacks op {missing[0]} (it provides "
                                 f"{', '.join(adapter.ops)})")
+    try:                # the adapter's precision for every op and dtype, before anything runs
+        for dtype in {c.torch_dtype for c in cases}:
+            for op in (o for o in adapter.ops if ops is None or o in ops):
+                adapter.precision(dtype, op=op)
+    except AdapterError as exc:
+        return _usage_error(str(exc))
 
     from .progress import ProgressBar, progress_enabled
     bar = ProgressBar(len(cases), enabled=progress_enabled(sys.stderr, args.no_progress),
                       label=f"check {adapter.spec}")
     try:
         result = run_check(adapter, cases, catalog=catalog, patterns=args.case,
-                           replays=args.replays, ops=ops, progress=bar)
-    except KeyboardInterrupt:
-        bar.close()
-        print("dsv4-oracle check: interrupted", file=sys.stderr)
-        return 130
+                           replays=args.replays, ops=ops, progress=bar,
+                           timeout=args.timeout or None, hard_exit=True)
     finally:
         bar.close()
+    if result.judged == 0:
+        what = f"--ops {','.join(ops)}" if ops else f"adapter {adapter.spec}'s ops"
+        ids = ", ".join(c.id for c in cases[:3]) + (", ..." if len(cases) > 3 else "")
+        return _usage_error(f"nothing was judged: {what} on the {len(cases)} selected "
+                            f"case(s) ({ids}) yield no check that can fail (csa_layer runs on "
+                            f"layer cases with indexer scores, the attention ops on every case)")
+    rc = _present(result, args)
+    from .invoke import abandoned
+    stuck = abandoned()
+    if stuck:           # an op thread that never returned: do not wait for it at exit
+        print(f"dsv4-oracle check: {', '.join(stuck)} never returned; exiting without "
+              f"waiting for it", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc if rc != EXIT_OK else EXIT_FAILED)
+    return rc
 
+
+def _present(result, args) -> int:
+    """Print the summary, write the report files; the exit status of the verdict."""
     from .report import format_summary, write_junit, write_report
     color = sys.stdout.isatty()
     print(format_summary(result, color=color, verbose=args.verbose))

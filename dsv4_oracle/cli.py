@@ -1,8 +1,23 @@
-"""The ``dsv4-oracle`` console script."""
+"""The ``dsv4-oracle`` console script.
+
+A usage error (an unknown option or value, a missing command) is one line on stderr and exit
+status 2, never a traceback; Ctrl-C is one line and exit status 130; a closed stdout (``| head``)
+ends the command quietly with status 1.
+"""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 2, 130, 1
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (``prog: error: message``), status 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 
 def _selfcheck(args) -> int:
@@ -12,10 +27,10 @@ def _selfcheck(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="dsv4-oracle",
         description="Float64 oracle and conformance checks for DeepSeek-V4 sparse attention.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     p = sub.add_parser("selfcheck", help="prove the float64 oracle against itself on built-in cases")
     p.add_argument("-v", "--verbose", action="store_true", help="print details of every check")
     p.set_defaults(func=_selfcheck)
@@ -25,8 +40,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:          # a usage error (one line) or --help
+            return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        return args.func(args)
+    except BrokenPipeError:                # stdout closed early (``| head``): no traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print("dsv4-oracle: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import reference as R
 from reference import error_model as EM
 
 from .adapters import Adapter
-from .invoke import OpError, call_op, where
+from .invoke import OpError, call_op
 from .compare import (CheckResult, compare_exact, compare_numeric, compare_topk, content_hash,
                       error_ratios, near_tie_rows, not_judged)
 
@@ -282,16 +282,19 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
     if case.layer == "csa":
         kw.update(q_idx=leaf["q_idx"], k_idx=leaf["k_idx"], weights=leaf["weights"],
                   topk=case.topk)
-    try:
-        res = adapter.op(op)(leaf["q"], leaf["kv_raw"], leaf["sink"], lay, **kw)
+    def forward_backward(*args, **kwargs):
+        res = adapter.op(op)(*args, **kwargs)
         if train:
             roots, grads = [res.out], [x["dout"]]
             if isinstance(res.loss, torch.Tensor) and res.loss.requires_grad:
                 roots.append(res.loss)
                 grads.append(torch.ones_like(res.loss))
             torch.autograd.backward(roots, grads)
-    except Exception as exc:
-        raise OpError(op, f"raised {type(exc).__name__}: {exc}{where(exc)}") from exc
+        return res
+    # the leaves are private copies already (and must stay autograd leaves): call_op compares
+    # them, and the layout it copies, with snapshots around forward and backward
+    res = call_op(forward_backward, op, (leaf["q"], leaf["kv_raw"], leaf["sink"], lay), kw,
+                  private=False)
     b = getattr(res, "backends", None)
     backends = dict(b) if isinstance(b, dict) else {op: adapter.name}
     try:

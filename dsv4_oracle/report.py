@@ -152,6 +152,7 @@ def _json_ratio(r):
 def report_dict(result: RunResult, *, argv=None) -> dict:
     """The report as a JSON-ready dict (schema :data:`SCHEMA` version :data:`SCHEMA_VERSION`)."""
     import reference
+    from .runner import precision_summary
     worst = _worst(result)
     cases = []
     for o in result.outcomes:
@@ -180,7 +181,8 @@ def report_dict(result: RunResult, *, argv=None) -> dict:
         "run": {"impl": result.adapter.spec, "adapter": result.adapter.name,
                 "device": result.adapter.device, "ops": list(result.ops),
                 "catalog": result.catalog, "case_patterns": list(result.patterns),
-                "replays": result.replays, "started_utc": result.started_utc,
+                "replays": result.replays, "precision": precision_summary(result),
+                "started_utc": result.started_utc,
                 "elapsed_s": round(result.elapsed_s, 3),
                 "argv": list(sys.argv[1:] if argv is None else argv)},
         "summary": {"cases": len(result.outcomes),
@@ -339,6 +341,9 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
                + (f" (backends: {', '.join(backends)})" if backends else "")
                + f"; {result.catalog} catalog, {len(result.outcomes)} cases, "
                f"replays {result.replays}")
+    from .runner import precision_lines, precision_summary
+    p_lines, p_flag = precision_lines(precision_summary(result))
+    out += p_lines
     rows = []
     for r in quantity_rows(result):
         status = "FAIL" if r["failed"] else "ok"
@@ -400,7 +405,7 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
         out.append(_paint(f"FAIL: {n_failed} of {n_checks} checks failed in {bad_cases} of "
                           f"{len(result.outcomes)} cases ({result.elapsed_s:.1f} s){nj}", "red",
                           color))
-    return "\n".join(out)
+    return "\n".join(out) + p_flag      # the verdict line notes widened bounds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,6 +443,7 @@ def write_junit(result: RunResult, path: str) -> None:
 
 
 def _markdown(d: dict, images: list[str]) -> str:
+    from .runner import precision_lines
     s, run = d["summary"], d["run"]
     lines = [f"# dsv4-oracle check: {'PASS' if d['passed'] else 'FAIL'}", ""]
     lines += [f"- implementation: `{run['impl']}` (adapter {run['adapter']}) on "
@@ -453,6 +459,9 @@ def _markdown(d: dict, images: list[str]) -> str:
               f"- worst ratio: {fmt_ratio(s['worst_ratio'])}"
               + (f" ({s['worst']['quantity']}, case {s['worst']['case']} "
                  f"[{s['worst']['level']}])" if s["worst"] else ""),
+              "- " + (" ".join(line.strip() for line in precision_lines(run["precision"])[0])
+                      .replace("WARNING: ", "**looser than the default**: ")
+                      or "precision assumed: none (no op ran)"),
               f"- machine: {d['machine']['platform']}, {d['machine']['cpu_count']} CPUs, torch "
               f"{d['machine']['torch']}, CUDA device {d['machine']['cuda_device']}",
               f"- started {run['started_utc']}, {run['elapsed_s']:.1f} s; oracle "

@@ -11,9 +11,14 @@ For each case (data flowing one way: case -> inputs -> implementation -> compari
    (:func:`dsv4_oracle.conformance.judge`: exact checks and error/bound ratios, section 12);
 4. ``replays - 1`` more runs must reproduce the first bit for bit (section 11).
 
-An implementation that raises, or returns something that is not the protocol's result, fails
-the case's ``run`` check with the reason (it never aborts the run). Nothing here prints: the
-``progress`` callback and :mod:`dsv4_oracle.report` present the results.
+Every call into the implementation goes through :func:`dsv4_oracle.invoke.call_op`: an op
+that raises, exits, overruns the per-op timeout (``timeout``) or returns something that is not
+the protocol's result fails the case's ``run`` check with the reason; an op that writes into an
+argument it was handed fails its ``no_mutation`` check (naming the argument and the elements);
+neither aborts the run. The precision the error model assumes is resolved per op
+(``Adapter.precision(dtype, op)``) and recorded per case; a declared precision looser than the
+default is flagged (:func:`precision_summary`). Nothing here prints: the ``progress`` callback
+and :mod:`dsv4_oracle.report` present the results.
 """
 from __future__ import annotations
 
@@ -25,16 +30,20 @@ from typing import Callable
 
 import torch
 
-from .adapters import LAYER_OP, OPS, Adapter
+from .adapters import LAYER_OP, OPS, Adapter, AdapterError, looser_than_default
 from .compare import CheckResult, check_grad_mode_parity, check_no_mutation, check_replays
 from .conformance import (FORWARD_OUTPUTS, OpError, judge, layer_applies, run_layer, run_ops,
                           tensors_of)
+from .invoke import op_timeout
 
 __all__ = ["CATALOGS", "CaseOutcome", "RunResult", "SelectionError", "select_cases", "quick_ids",
-           "check_case", "run_check", "LEVELS"]
+           "check_case", "run_check", "LEVELS", "STRUCTURAL", "precision_summary",
+           "precision_lines"]
 
 CATALOGS = ("quick", "full")
 LEVELS = ("op", "layer")
+# quantities that hold however little ran: a run with only these judged nothing
+STRUCTURAL = ("grad_modes", "no_mutation", "replays")
 # categories whose cases are not single-device runs (CP layouts that must raise ValueError)
 _NOT_RUNNABLE = ("cp_invalid",)
 
@@ -90,12 +99,16 @@ class CaseOutcome:
     """Everything checked on one case. Each check's ``extra`` holds ``quantity`` and ``level``.
     ``error``: why the case could not be set up (then ``checks`` is empty). ``maps``: per level
     (``op``, ``layer``), the per ``(row, head)`` error/bound maps (``out``, ``lse``, ``dq``) and
-    row flags (``padding``, ``sink_only``) for the report."""
+    row flags (``padding``, ``sink_only``) for the report.
+    ``precision``: op -> the precision the error model assumed (``Precision.to_dict()``) for
+    every op that ran (``csa_layer`` for the layer level); ``looser``: op -> the fields where
+    that precision is looser than the default."""
 
     case: object
     checks: list = field(default_factory=list)
     backends: dict = field(default_factory=dict)
     precision: dict = field(default_factory=dict)
+    looser: dict = field(default_factory=dict)
     elapsed_s: float = 0.0
     error: str | None = None
     maps: dict = field(default_factory=dict)
@@ -119,10 +132,21 @@ class RunResult:
     started_utc: str
     elapsed_s: float
     ops: tuple
+    timeout: float | None = None
 
     @property
     def passed(self) -> bool:
         return bool(self.outcomes) and all(o.passed for o in self.outcomes)
+
+    @property
+    def judged(self) -> int:
+        """Checks that judged something the implementation did (every failing check, and every
+        passing one but those not judged and the :data:`STRUCTURAL` ones, which hold when
+        nothing ran), plus cases that failed setup."""
+        return sum(1 for o in self.outcomes for c in o.checks
+                   if not c.passed or (getattr(c, "judged", True)
+                                       and c.extra.get("quantity") not in STRUCTURAL)) + \
+            sum(1 for o in self.outcomes if o.error)
 
 
 def _with(res: CheckResult, **extra) -> CheckResult:
@@ -132,6 +156,32 @@ def _with(res: CheckResult, **extra) -> CheckResult:
 def _failed(name: str, kind: str, quantity: str, level: str, detail: str) -> CheckResult:
     return CheckResult(name, kind, False, None, None, detail,
                        {"quantity": quantity, "level": level})
+
+
+def _op_failed(exc: OpError, level: str, prefix: str = "") -> CheckResult:
+    """The failing check of an op that failed: ``no_mutation`` when it wrote into an argument,
+    else ``run``."""
+    if exc.kind == "mutation":
+        return _failed(f"no_mutation: {exc.op}", "no_mutation", "no_mutation", level,
+                       prefix + exc.message)
+    return _failed(f"run: {exc.op}", "error", "run", level, prefix + exc.message)
+
+
+def _owned(run):
+    """``run`` with private copies of its tensors: a later call into the implementation (the
+    next grad mode, a replay) cannot rewrite what is about to be judged."""
+    own = lambda d: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)  # noqa: E731
+                     for k, v in d.items()}
+    return run._replace(got=own(run.got), consumed=own(run.consumed))
+
+
+def level_precision(adapter: Adapter, dtype, level: str) -> dict:
+    """op -> the Precision the error model assumes for the outputs of each pipeline op: the
+    adapter's per op at op level; at layer level every output comes from ``csa_layer``."""
+    if level == "layer":
+        p = adapter.precision(dtype, op=LAYER_OP)
+        return {o: p for o in OPS}
+    return {o: adapter.precision(dtype, op=o) for o in OPS}
 
 
 def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache: dict,
@@ -154,6 +204,7 @@ def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache
             if mode is None:
                 raise
             raise OpError(exc.op, f"{exc.message} (under {mode})") from exc
+        r = _owned(r)
         runs.append(r)
         return {k: v for k, v in tensors_of(r.got).items() if k in FORWARD_OUTPUTS}
 
@@ -163,9 +214,9 @@ def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache
         # GRAD_MODES runs grad-enabled first: runs[0] is the run that is judged
         nm = check_no_mutation(lambda _x: box.append(check_grad_mode_parity(call)), (x,))
     except OpError as exc:
-        return [_failed(f"run: {exc.op}", "error", "run", level, exc.message)], {}
+        return [_op_failed(exc, level)], {}
     first = runs[0]
-    precision = adapter.precision(case.torch_dtype)
+    precision = level_precision(adapter, case.torch_dtype, level)
     try:
         verdicts = judge(case, x, first.got, consumed=first.consumed, precision=precision,
                          cache=cache, maps=maps)
@@ -188,8 +239,9 @@ def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache
         try:
             checks.append(_with(check_replays(replay, replays), quantity="replays", level=level))
         except OpError as exc:
-            checks.append(_failed("replays", "replay", "replays", level,
-                                  f"a replay raised in {exc.op}: {exc.message}"))
+            checks.append(_op_failed(exc, level, "in a replay: ") if exc.kind == "mutation"
+                          else _failed("replays", "replay", "replays", level,
+                                       f"a replay failed in {exc.op}: {exc.message}"))
     return checks, dict(first.backends)
 
 
@@ -203,7 +255,6 @@ def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None) -> CaseOut
         out.error = f"cannot materialize the case's inputs: {type(exc).__name__}: {exc}"
         out.elapsed_s = time.perf_counter() - t0
         return out
-    out.precision = adapter.precision(case.torch_dtype).to_dict()
     cache: dict = {}
     op_ops = [o for o in OPS if adapter.has(o) and (ops is None or o in ops)]
     levels = []
@@ -211,12 +262,27 @@ def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None) -> CaseOut
         levels.append("op")
     if adapter.has(LAYER_OP) and (ops is None or LAYER_OP in ops) and layer_applies(case):
         levels.append("layer")
+    try:
+        for op in op_ops + ([LAYER_OP] if "layer" in levels else []):
+            p = adapter.precision(case.torch_dtype, op=op)
+            out.precision[op] = p.to_dict()
+            loose = looser_than_default(p, case.torch_dtype)
+            if loose:
+                out.looser[op] = loose
+    except AdapterError as exc:
+        out.error = str(exc)
+        out.elapsed_s = time.perf_counter() - t0
+        return out
     for level in levels:
         maps: dict = {}
         try:
             checks, backends = _level(adapter, case, x, level, replays, ops, cache, maps)
         except OpError as exc:
-            checks, backends = [_failed(f"run: {exc.op}", "error", "run", level, exc.message)], {}
+            checks, backends = [_op_failed(exc, level)], {}
+        except Exception as exc:     # what the implementation returned broke the runner
+            checks, backends = [_failed("run", "error", "run", level,
+                                        f"cannot handle the implementation's result: "
+                                        f"{type(exc).__name__}: {exc}")], {}
         out.checks += checks
         out.backends[level] = backends
         if maps:
@@ -230,19 +296,72 @@ def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None) -> CaseOut
 
 
 def run_check(adapter: Adapter, cases, *, catalog: str = "quick", patterns=(), replays: int = 3,
-              ops=None, progress: Callable | None = None) -> RunResult:
+              ops=None, progress: Callable | None = None, timeout: float | None = None,
+              hard_exit: bool = False) -> RunResult:
     """Run :func:`check_case` over ``cases``; ``progress(event, case, outcome)`` is called with
-    ``"start"`` before and ``"done"`` after each case."""
+    ``"start"`` before and ``"done"`` after each case. ``timeout``: seconds per op call
+    (``None`` or 0: no limit; ``hard_exit``: see :func:`dsv4_oracle.invoke.op_timeout`)."""
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     t0 = time.perf_counter()
     outcomes = []
-    for case in cases:
-        if progress:
-            progress("start", case, None)
-        o = check_case(adapter, case, replays=replays, ops=ops)
-        outcomes.append(o)
-        if progress:
-            progress("done", case, o)
+    with op_timeout(timeout or None, hard_exit=hard_exit):
+        for case in cases:
+            if progress:
+                progress("start", case, None)
+            o = check_case(adapter, case, replays=replays, ops=ops)
+            outcomes.append(o)
+            if progress:
+                progress("done", case, o)
     used = tuple(o for o in adapter.ops if ops is None or o in ops)
     return RunResult(adapter, catalog, tuple(patterns), replays, outcomes, started,
-                     time.perf_counter() - t0, used)
+                     time.perf_counter() - t0, used, timeout or None)
+
+
+def _pstr(d: dict) -> str:
+    return f"acc {d['acc']}, io {d['io']}, stats {d['stats']}".replace("torch.", "")
+
+
+def precision_summary(result: RunResult) -> dict:
+    """The precision each verdict assumed: ``source`` (``adapter``: its declaration;
+    ``default``: it declares none; ``forced default``: ``--precision default``), ``assumed``
+    (case dtype -> op -> ``"acc float32, io bfloat16, stats float32"``) and ``looser`` (one
+    line per op and dtype whose assumed precision is looser than the default)."""
+    assumed: dict = {}
+    looser: dict = {}
+    for o in result.outcomes:
+        dt = str(o.case.dtype)
+        for op, d in o.precision.items():
+            assumed.setdefault(dt, {})[op] = _pstr(d)
+        for op, fields in o.looser.items():
+            looser.setdefault(f"{op} ({dt})", fields)
+    return {"source": result.adapter.precision_source, "assumed": assumed,
+            "looser": [f"{k}: {', '.join(v)}" for k, v in looser.items()]}
+
+
+def precision_lines(s: dict) -> tuple[list[str], str]:
+    """``(lines, flag)`` of a :func:`precision_summary`: the precision assumed (per input dtype,
+    per op where the ops differ), a warning when it is looser than the default, and ``flag``,
+    the verdict line's note ("" if none)."""
+    src = {"adapter": "declared by the adapter", "default": "the default",
+           "forced default": "the default, --precision default"}.get(s["source"], s["source"])
+    if not s["assumed"]:
+        return [], ""
+    groups: dict = {}            # description -> dtypes of the cases it applies to
+    for dt, ops in s["assumed"].items():
+        ps = set(ops.values())
+        desc = (next(iter(ps)) if len(ps) == 1 else
+                "; ".join(f"{op}: {p}" for op, p in ops.items()))
+        groups.setdefault(desc, []).append(dt)
+    if len(groups) == 1:
+        lines = [f"precision assumed ({src}): {next(iter(groups))}"]
+    else:
+        lines = [f"precision assumed ({src}):"] + [f"  {', '.join(dts)} inputs: {desc}"
+                                                   for desc, dts in groups.items()]
+    flag = ""
+    if s["looser"]:
+        lines.append("WARNING: the adapter declares a precision looser than the default, which "
+                     "widens its own bounds (--precision default judges with the default): "
+                     + "; ".join(s["looser"]))
+        ops = sorted({x.split(" (")[0] for x in s["looser"]})
+        flag = f" [bounds widened by the adapter's declared precision: {', '.join(ops)}]"
+    return lines, flag
