@@ -28,7 +28,8 @@ __all__ = [
     "AttentionArgs", "AttentionBackwardArgs", "FLOAT_DTYPES", "INDEX_DTYPES",
     "IndexerLossArgs", "IndexerLossGradArgs", "IndexerScoresArgs", "TopkArgs", "as_bool",
     "as_int", "as_real", "check_dim", "check_layout", "choice", "float_tensor", "has_nan",
-    "index_tensor", "reject_nan", "same_device", "validate_attention_backward",
+    "head_dim", "index_tensor", "reject_loss_values", "reject_nan", "reject_negative",
+    "same_device", "validate_attention_backward",
     "validate_attention_forward", "validate_indexer_scores", "validate_sparse_indexer_loss",
     "validate_sparse_indexer_loss_grad", "validate_stable_topk",
 ]
@@ -40,6 +41,8 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 def _tensor(x, name: str, ndim: int | None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.is_meta:
+        raise ValueError(f"{name} is a meta tensor (it holds no data)")
     if ndim is not None and x.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
     return x
@@ -54,7 +57,8 @@ def float_tensor(x, name: str, *, ndim: int | None = None) -> torch.Tensor:
 
 
 def index_tensor(x, name: str, *, ndim: int | None = None) -> torch.Tensor:
-    """An int32 or int64 tensor, returned as is."""
+    """An int32 or int64 tensor, returned as is (unsigned dtypes, ``uint64`` among them, are
+    rejected with ``TypeError``: ids are signed, every id outside ``[0, S)`` is invalid)."""
     x = _tensor(x, name, ndim)
     if x.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name} must be an int32 or int64 tensor, got dtype {x.dtype}")
@@ -133,6 +137,45 @@ def reject_nan(**named) -> None:
             raise ValueError(f"{name} contains NaN")
 
 
+def head_dim(x: torch.Tensor, name: str) -> int:
+    """The last (head) dimension of ``x``, which must be >= 1."""
+    d = x.shape[-1]
+    if d < 1:
+        raise ValueError(f"{name} must have a head dimension >= 1, got shape {tuple(x.shape)}")
+    return d
+
+
+def reject_negative(**named) -> None:
+    """``ValueError`` for the first named tensor holding a value below 0 (probabilities)."""
+    for name, t in named.items():
+        if t.numel() and bool((t < 0).any()):
+            raise ValueError(f"{name} holds a negative value ({float(t.min())}); it is a "
+                             "probability distribution over the selected slots (section 8)")
+
+
+def reject_loss_values(lse, index_scores, compressed_ids, layout) -> None:
+    """Section 8 value checks of the loss beyond NaN: ``lse = -inf`` (a KV-only lse is the log
+    of a positive sum, or ``+inf``) and a ``+inf`` index score at a selected slot of a real row
+    (the student softmax is undefined there). One reduction each and a host synchronisation."""
+    if lse.numel() and bool((lse == -math.inf).any()):
+        raise ValueError("lse contains -inf; a KV-only lse (section 6) is the log of a positive "
+                         "sum, or +inf on a row without keys")
+    C = index_scores.shape[1]
+    if C == 0 or compressed_ids.numel() == 0:
+        return
+    real = layout.is_real.to(compressed_ids.device).unsqueeze(1)
+    sel = (compressed_ids >= 0) & (compressed_ids < C) & real
+    picked = torch.gather(index_scores, 1,
+                          torch.where(sel, compressed_ids, torch.zeros_like(compressed_ids))
+                          .to(torch.int64))
+    bad = sel & (picked == math.inf)
+    if bool(bad.any()):
+        t, j = torch.nonzero(bad)[0].tolist()
+        raise ValueError(f"index_scores is +inf at a selected slot (row {t}, compressed id "
+                         f"{int(compressed_ids[t, j])}); the student softmax is undefined there "
+                         "(section 8)")
+
+
 # --------------------------------------------------------------------------------------------
 # per-op validation (contract sections 4, 6, 7, 8), shared by the backends
 # --------------------------------------------------------------------------------------------
@@ -183,6 +226,7 @@ def validate_indexer_scores(q_idx, k_idx, weights, layout, ratio, scale,
     as_bool(deterministic, "deterministic")
     dev = same_device(q_idx=q, k_idx=k, weights=w)
     T, HI, DI = q.shape
+    head_dim(q, "q_idx")
     check_dim(q, "q_idx", 0, layout.num_rows, "layout.num_rows")
     check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
     C = layout.num_compressed(ratio)
@@ -215,6 +259,7 @@ def validate_attention_forward(q, kv, ids, sink, scale, v_dim, lengths,
         lengths = index_tensor(lengths, "lengths", ndim=1)
     same_device(q=q, kv=kv, ids=ids, sink=sink, lengths=lengths)
     T, H, D = q.shape
+    head_dim(q, "q")
     check_dim(kv, "kv", 1, D, "q head dim D")
     check_dim(ids, "ids", 0, T, "q rows T")
     check_dim(sink, "sink", 0, H, "q heads H")
@@ -282,6 +327,7 @@ def validate_sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_sco
     dev = same_device(q=q, kv_cmp=kc, sink=sink, lse=lse, compressed_ids=ids,
                       index_scores=scores)
     T, H, D = q.shape
+    head_dim(q, "q")
     check_dim(q, "q", 0, layout.num_rows, "layout.num_rows")
     check_dim(kc, "kv_cmp", 1, D, "q head dim D")
     check_dim(sink, "sink", 0, H, "q heads H")
@@ -334,6 +380,7 @@ def validate_sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, tar
     dev = same_device(q_idx=q, k_idx=k, weights=w, compressed_ids=ids, target=tau,
                       predict=p_in)
     T, HI, DI = q.shape
+    head_dim(q, "q_idx")
     Kc = ids.shape[1]
     check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
     check_dim(w, "weights", 0, T, "rows T")
