@@ -41,8 +41,6 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 def _tensor(x, name: str, ndim: int | None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.is_meta:
-        raise ValueError(f"{name} is a meta tensor (it holds no data)")
     if ndim is not None and x.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
     return x
@@ -66,7 +64,8 @@ def index_tensor(x, name: str, *, ndim: int | None = None) -> torch.Tensor:
 
 
 def same_device(**named) -> torch.device:
-    """The common device of the named tensors (``None`` entries are skipped)."""
+    """The common device of the named tensors (``None`` entries are skipped); ``ValueError``
+    naming them when they differ, or naming the first when they are meta tensors (no data)."""
     device, first = None, None
     for name, t in named.items():
         if t is None:
@@ -76,6 +75,8 @@ def same_device(**named) -> torch.device:
         elif t.device != device:
             raise ValueError(f"{name} is on {t.device} but {first} is on {device}; "
                              "all tensors of one call must be on the same device")
+    if device is not None and device.type == "meta":
+        raise ValueError(f"{first} is a meta tensor (it holds no data); the ops need values")
     return device if device is not None else torch.device("cpu")
 
 

@@ -45,7 +45,7 @@ from reference.layout import PackedLayout
 
 from .checks import (as_bool, as_int, as_real, check_dim, check_layout, choice, float_tensor,
                      head_dim, index_tensor, reject_loss_values, reject_nan, reject_negative,
-                     validate_attention_backward,
+                     same_device, validate_attention_backward,
                      validate_attention_forward, validate_indexer_scores,
                      validate_sparse_indexer_loss, validate_sparse_indexer_loss_grad,
                      validate_stable_topk)
@@ -468,7 +468,7 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
     safe_z = torch.where(valid, safe, torch.full_like(safe, C))               # key rows
     kc_z = _with_zero_row(kc)
     # LSEf up to a per-row constant, +inf on silenced heads (per-head offsets, section 8)
-    norm, has_mass = head_normalisers(lse.to(F32), sink.to(F32))
+    lsef, has_mass = head_normalisers(lse.to(F32), sink.to(F32))
     target = torch.zeros((T, Kc), dtype=F32, device=dev)
     predict = torch.zeros((T, Kc), dtype=F32, device=dev)
     kl = torch.zeros(T, dtype=F32, device=dev)
@@ -478,7 +478,7 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
         v = valid[r0:r1]
         massive = v & has_mass[r0:r1].unsqueeze(1)
         kg = _gather_rows(kc_z, safe_z[r0:r1])
-        log_a = _mm(q[r0:r1], kg.transpose(1, 2)) * scale - norm[r0:r1].unsqueeze(-1)
+        log_a = _mm(q[r0:r1], kg.transpose(1, 2)) * scale - lsef[r0:r1].unsqueeze(-1)
         log_a = log_a.masked_fill(~massive.unsqueeze(1), -INF)
         per_c = torch.logsumexp(log_a, dim=1)                                 # [n, Kc]
         norm = torch.logsumexp(per_c, dim=1, keepdim=True)
@@ -567,6 +567,7 @@ def q_rms_norm(q, eps: float = 1e-6, *, deterministic: bool = True):
     float64 and rounded once (a correctly rounded float32 rsqrt), the product is float32.
     """
     x = float_tensor(q, "q")
+    same_device(q=x)
     if x.dim() < 1:
         raise ValueError("q must have at least one dimension (the head dimension)")
     head_dim(x, "q")
