@@ -74,11 +74,14 @@ def test_ops_in_small_row_chunks(impl, case):
     assert_checks(judge(impl, case, x, got), f"{impl.id} chunk_rows=7 {case}")
 
 
+@pytest.mark.parametrize("name", ["nan-poison-layer", "nan-poison-edge-rows"])
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_poisoned_rows_never_leak(impl):
-    """NaN in every unselected key row: every output stays finite where the oracle's is, and
-    equals the implementation's result on the same inputs with the poison replaced by zeros."""
-    case = fixtures.get("nan-poison-layer")
+def test_poisoned_rows_never_leak(impl, name):
+    """NaN in every unselected key row (``nan-poison-edge-rows``: key row 0 and the last raw
+    and compressed rows too, the rows a kernel that clamps invalid ids reads): every output
+    stays finite where the oracle's is, and equals the implementation's result on the same
+    inputs with the poison replaced by zeros."""
+    case = fixtures.get(name)
     x = _on(impl, case.materialize())
     clean = dict(x)
     for k in ("kv", "kv_raw", "kv_cmp", "k_idx"):

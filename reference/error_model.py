@@ -158,18 +158,20 @@ def _same_shape(t: torch.Tensor, name: str, shape) -> None:
 # Section 6: sparse attention with a sink
 # ---------------------------------------------------------------------------------------------
 
-def _rows_or_zeros(table: torch.Tensor) -> torch.Tensor:
-    """``table``, or one zero row when it has none (no key rows, or no compressed group: C = 0).
-    Every slot is invalid then, so the zero row is only the safe target of masked gathers (the
-    oracle's own convention, :mod:`reference.indexer_loss`)."""
-    return table if table.shape[0] else table.new_zeros((1,) + tuple(table.shape[1:]))
+def _gather_valid(table: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``table[ids]`` as ``[n, K, D]`` where ``valid``, exact zeros elsewhere: invalid slots
+    gather an appended zero row (the oracle's convention), so an unselected row of ``table``
+    (even a NaN row, e.g. row 0 that ``-1`` slots would clamp to) never reaches a bound."""
+    n, K = ids.shape
+    z = torch.cat([table, table.new_zeros((1,) + tuple(table.shape[1:]))])
+    rows = torch.where(valid, ids, torch.full_like(ids, table.shape[0]))
+    return z.index_select(0, rows.reshape(-1)).view(n, K, table.shape[1])
 
 
 def _gathered(q, kv, ids, valid, r0, r1, scale):
     """Per chunk: gathered keys, masked logits, masked magnitudes ``a = |scale| |q|.|k|``."""
     n, K, D = r1 - r0, ids.shape[1], kv.shape[1]
-    safe = torch.where(valid[r0:r1], ids[r0:r1], torch.zeros_like(ids[r0:r1]))
-    kg = _rows_or_zeros(kv).index_select(0, safe.reshape(-1)).view(n, K, D)
+    kg = _gather_valid(kv, ids[r0:r1], valid[r0:r1])
     v = valid[r0:r1].unsqueeze(1)
     s = (scale * torch.bmm(q[r0:r1], kg.transpose(1, 2))).masked_fill(~v, -INF)
     a = (abs(scale) * torch.bmm(q[r0:r1].abs(), kg.abs().transpose(1, 2))).masked_fill(~v, 0.0)
@@ -463,7 +465,7 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
         mv = sel & has_mass[r0:r1].unsqueeze(1)                               # ... with mass
         hv = (mv.unsqueeze(1) & fin[r0:r1].unsqueeze(-1))                     # [n, H, Kc]
         nv = mv.sum(dim=1, keepdim=True).to(F64)
-        kg = _rows_or_zeros(kc).index_select(0, safe[r0:r1].reshape(-1)).view(n, Kc, D)
+        kg = _gather_valid(kc, ids[r0:r1], valid[r0:r1])
         s = scale * torch.bmm(q[r0:r1], kg.transpose(1, 2))                  # [n, H, Kc]
         a = abs(scale) * torch.bmm(q[r0:r1].abs(), kg.abs().transpose(1, 2))
         nrm = _finite_or_zero(norm[r0:r1]).unsqueeze(-1)
@@ -548,8 +550,7 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
         n = r1 - r0
         v = valid[r0:r1]
         nv = v.sum(dim=1, keepdim=True).to(F64)                               # [n, 1]
-        safe = torch.where(v, ids[r0:r1], torch.zeros_like(ids[r0:r1]))
-        kg = _rows_or_zeros(k).index_select(0, safe.reshape(-1)).view(n, Kc, DI)
+        kg = _gather_valid(k, ids[r0:r1], v)
         qc, wc = q[r0:r1], w[r0:r1]
         z = torch.bmm(qc, kg.transpose(1, 2))                                # [n, H_I, Kc]
         zeta = torch.bmm(qc.abs(), kg.abs().transpose(1, 2))
