@@ -335,3 +335,17 @@ def test_row_without_teacher_mass_keeps_its_student_and_gets_zero_gradients():
         assert bool((dw0[dead] != 0).any()), mode      # those rows had gradients before
         if mode == "clipped":                          # per-row: the live rows are unchanged
             assert torch.equal(dq[live], dq0[live]) and torch.equal(dw[live], dw0[live])
+
+
+def test_loss_bits_do_not_depend_on_chunking_with_mixed_sinks():
+    """Per-head offsets are per row: the same bits for any ``chunk_rows``, with ordinary,
+    ``+inf`` and huge finite sinks in one call."""
+    case, _, loss_args = pipeline("csa-padded")
+    q, kv_cmp, sink, lse, cmp_ids, scores, layout = loss_args
+    mixed = torch.tensor([0.3, INF, 2.4e38, -1.0, -INF, 5.0][: sink.numel()], dtype=F64)
+    ref = R.sparse_indexer_loss(q, kv_cmp, mixed, lse, cmp_ids, scores, layout, coeff=case.coeff)
+    for rows in (1, 3, 5):
+        res = R.sparse_indexer_loss(q, kv_cmp, mixed, lse, cmp_ids, scores, layout,
+                                    coeff=case.coeff, chunk_rows=rows)
+        for a, b in zip(res[:4], ref[:4]):
+            assert torch.equal(a, b), rows

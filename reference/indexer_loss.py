@@ -147,7 +147,7 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
 
     valid = _slot_mask(ids, C) & layout.is_real.unsqueeze(1)
     safe = torch.where(valid, ids, torch.zeros_like(ids))
-    norm, has_mass = head_normalisers(lse, sink)                         # LSEf + const [T, H]
+    lsef, has_mass = head_normalisers(lse, sink)                         # LSEf + const [T, H]
     target = torch.zeros((T, Kc), dtype=torch.float64)
     # The teacher is detached: per row over its own slot extent (a multiple of 64 covering its
     # last valid slot, so its bits never depend on the caller's width or on other rows), in work
@@ -168,7 +168,7 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
         kg = torch.index_select(table, 0, rows[r0:r1, :w].reshape(-1),
                                 out=carve(kg_buf, n * w, D)).view(n, w, D)
         log_a = torch.mul(row_bmm(q[r0:r1], kg.transpose(1, 2), out=carve(a_mm, n, H, w)),
-                          scale, out=carve(a_buf, n, H, w)).sub_(norm[r0:r1].unsqueeze(-1))
+                          scale, out=carve(a_buf, n, H, w)).sub_(lsef[r0:r1].unsqueeze(-1))
         log_a.masked_fill_(~massive.unsqueeze(1), -INF)                  # [n, H, w]
         per_c = torch.logsumexp(log_a, dim=1)                              # [n, w]
         norm = torch.logsumexp(per_c, dim=1, keepdim=True)
