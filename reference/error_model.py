@@ -24,9 +24,11 @@ unit roundoffs, so the oracle's own float64 error is accounted for by adding the
 roundoff to every unit (``y*`` is itself a float64 computation).
 
 The precision of an implementation is a :class:`Precision`: ``acc`` (accumulations, softmax
-statistics, products: float32 for bf16 kernels), ``io`` (operands rounded before tensor-core
-products -- P, dS -- and stored outputs such as ``out``, ``dq``, ``dkv``) and ``stats`` (stored
-float32 statistics: ``lse``, ``dsink``, indexer scores, target/predict, KL, loss).
+statistics, products: float32 for bf16 kernels), ``io`` (stored outputs such as ``out``, ``dq``,
+``dkv``, and exactly the intermediates that a 16-bit tensor-core product takes as an operand:
+``P``, ``dS``, ``relu(z)``; every other intermediate is ``acc``; the per-op table is in
+``docs/ERROR_MODEL.md``) and ``stats`` (stored float32 statistics: ``lse``, ``dsink``, indexer
+scores, target/predict, KL, loss).
 
 The derivation of every formula, per contract section, is in ``docs/ERROR_MODEL.md``.
 """
@@ -76,8 +78,10 @@ class Precision:
     """Working precisions of an implementation (section 12).
 
     ``acc``: accumulation/statistics precision, multiplied by reduction lengths (float32 for
-    bf16 kernels). ``io``: storage precision of rounded intermediates and outputs, applied
-    once per stored rounding (bf16). ``stats``: storage precision of float32 statistics and
+    bf16 kernels); every intermediate not listed under ``io`` is assumed in ``acc``. ``io``:
+    storage precision of the outputs and of the operands a 16-bit tensor-core product consumes
+    (``P`` of the attention forward and backward, ``dS`` of the attention and indexer
+    backwards, ``relu(z)`` of the indexer), each rounded once (bf16). ``stats``: storage precision of float32 statistics and
     fp32 outputs (``lse``, ``dsink``, scores, target/predict, KL, loss); defaults to ``acc``.
     """
 
