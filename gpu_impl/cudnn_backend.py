@@ -468,7 +468,7 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
                                     deterministic)
     kernel = choice(kernel, "kernel", BACKWARD_KERNELS)
     dev = _require_cuda("q", q)
-    reject_nan(sink=sink)
+    reject_nan(sink=sink, lse=lse)
     S, K = kv.shape[0], ids.shape[1]
     route, _ = _backward_route(q, dv, deterministic, kernel)
     if route == "torch":

@@ -26,7 +26,6 @@ from reference import (PackedLayout, indexer_scores, q_rms_norm, q_rms_norm_bf16
                        sparse_attention_backward, sparse_attention_forward, sparse_indexer_loss,
                        sparse_indexer_loss_grad, stable_topk)
 from reference.dense import dense_attention, slot_counts
-from reference.indexer_loss import head_normalisers
 from reference.error_model import (ORACLE_PRECISION, IndexerLossBound, Precision,
                                    attention_backward_bound, attention_forward_bound,
                                    indexer_loss_bound, indexer_loss_grad_bound,
@@ -397,22 +396,28 @@ def test_indexer_loss_bounds_fp64_vs_independent_form():
 
 
 def emulated_stable_loss(q, kv_cmp, sink, lse, ids, scores, coeff, floor=2.0 ** -126):
-    """The stable fp32 kernel of section 8: ``A = exp(s - norm)`` with the per-head offsets of
-    ``head_normalisers`` (in float32), silenced heads 0; student, KL and loss as above; rows
-    without teacher mass have tau = 0 and KL = 0 (their student is kept)."""
+    """A stable fp32 kernel of section 8, written independently of the oracle: the log-domain
+    teacher ``softmax_c(logsumexp_h(s - (LSEf_h - min_h LSEf)))`` (exact head differences),
+    ``+inf``-sink heads silenced alone; student, KL and loss as above; rows without teacher
+    mass have tau = 0 and KL = 0 (their student is kept)."""
     C = kv_cmp.shape[0]
     valid = (ids >= 0) & (ids < C) & LAYOUT.is_real[:, None]
     kg = kv_cmp.float()[torch.where(valid, ids, torch.zeros_like(ids))]
     s = DA ** -0.5 * torch.einsum("thd,tkd->thk", q.float(), kg)
-    norm, has = head_normalisers(lse.float(), sink.float())
-    a = torch.exp(s - norm[..., None]).sum(1).masked_fill(~(valid & has[:, None]), 0)
-    tau = a / a.sum(1, keepdim=True).clamp_min(1e-38)
+    full = torch.logaddexp(lse.float(), sink.float()[None])
+    fin = torch.isfinite(full)
+    has = fin.any(1)
+    m = torch.where(fin, full, torch.full_like(full, math.inf)).amin(1, keepdim=True)
+    off = torch.where(fin, full - torch.where(has[:, None], m, torch.zeros_like(m)),
+                      torch.full_like(full, math.inf))
+    mass = valid & has[:, None]
+    per_c = torch.logsumexp(s - off[..., None], dim=1).masked_fill(~mass, -math.inf)
+    tau = torch.softmax(per_c, dim=1).nan_to_num(0.0)
     x = torch.gather(scores, 1, torch.where(valid, ids, torch.zeros_like(ids))).masked_fill(~valid, -math.inf)
     m = x.amax(1, keepdim=True)
     e = torch.exp(x - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
     p = e / e.sum(1, keepdim=True).clamp_min(1e-38)
     tb, pb = tau.clamp_min(floor), p.clamp_min(floor)
-    mass = valid & has[:, None]
     kl = torch.where(mass, tb * (torch.log(tb) - torch.log(pb)), torch.zeros_like(tb)).sum(1)
     return coeff * kl.sum() / LAYOUT.num_real, kl, tau, p
 
