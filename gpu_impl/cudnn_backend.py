@@ -27,8 +27,10 @@ sparse_attention_backward         default mode, SM90: cuDNN ``sparse_attention_b
                                   (``kernel=``: ``split`` (auto), ``planes``, ``keymajor``);
                                   SM100: cuDNN ``deterministic=True``
 sparse_indexer_loss               teacher from cuDNN ``sparse_attn_score_recompute_wrapper``
-                                  (with ``lse := logaddexp(lse, sink)``, renormalised to undo
-                                  the kernel's ``+1e-10``); student and KL in torch (float32)
+                                  (with ``lse :=`` the per-head normalisers
+                                  ``logaddexp(lse, sink)`` up to a per-row constant,
+                                  renormalised to undo the kernel's ``+1e-10``); student and
+                                  KL in torch (float32)
 sparse_indexer_loss_grad          cuDNN ``indexer_backward_wrapper``; deterministic on SM90:
                                   ``dq_idx`` from it (repeatable), ``dw`` and ``dk_idx`` from
                                   the torch backend's fixed-order path; SM100: cuDNN
@@ -508,8 +510,9 @@ def _loss_route(q):
         return "torch", f"{q.dtype} q (the cuDNN score recompute takes bf16/fp16)"
     if D not in (512, 576) or H < 2 or H % 64 != 0:
         return "torch", f"(H, D) = ({H}, {D}) (routed to cuDNN only for D 512/576, H % 64 == 0)"
-    return "cudnn", ("cudnn.sparse_attn_score_recompute_wrapper (teacher, lse := "
-                     "logaddexp(lse, sink), renormalised) + torch student/KL")
+    return "cudnn", ("cudnn.sparse_attn_score_recompute_wrapper (teacher, lse := the "
+                     "per-head normalisers logaddexp(lse, sink) + per-row constant, "
+                     "renormalised) + torch student/KL")
 
 
 @_no_grad
