@@ -192,6 +192,7 @@ class TopkArgs(NamedTuple):
 def validate_stable_topk(scores, k, order, align, deterministic) -> TopkArgs:
     """Section 4 arguments, then the NaN check on ``scores`` (the one value check)."""
     s = float_tensor(scores, "scores", ndim=2)
+    same_device(scores=s)                                      # no meta tensor
     k = as_int(k, "k", minimum=0)
     order = choice(order, "order", ("id", "score"))
     deterministic = as_bool(deterministic, "deterministic")

@@ -285,6 +285,7 @@ def build_csa_indices(layout, *, window, ratio, compressed_ids=None, device=None
     as_bool(deterministic, "deterministic")
     if compressed_ids is not None:
         compressed_ids = index_tensor(compressed_ids, "compressed_ids", ndim=2)
+        same_device(compressed_ids=compressed_ids)           # no meta tensor
         check_dim(compressed_ids, "compressed_ids", 0, layout.num_rows, "layout.num_rows")
         if ratio == 0:
             raise ValueError("compressed_ids must be None for a window-only layer (ratio 0)")
