@@ -28,7 +28,8 @@ __all__ = [
     "AttentionArgs", "AttentionBackwardArgs", "FLOAT_DTYPES", "INDEX_DTYPES",
     "IndexerLossArgs", "IndexerLossGradArgs", "IndexerScoresArgs", "TopkArgs", "as_bool",
     "as_int", "as_real", "check_dim", "check_layout", "choice", "float_tensor", "has_nan",
-    "index_tensor", "reject_nan", "same_device", "validate_attention_backward",
+    "head_dim", "index_tensor", "reject_loss_values", "reject_nan", "reject_negative",
+    "same_device", "validate_attention_backward",
     "validate_attention_forward", "validate_indexer_scores", "validate_sparse_indexer_loss",
     "validate_sparse_indexer_loss_grad", "validate_stable_topk",
 ]
@@ -54,7 +55,8 @@ def float_tensor(x, name: str, *, ndim: int | None = None) -> torch.Tensor:
 
 
 def index_tensor(x, name: str, *, ndim: int | None = None) -> torch.Tensor:
-    """An int32 or int64 tensor, returned as is."""
+    """An int32 or int64 tensor, returned as is (unsigned dtypes, ``uint64`` among them, are
+    rejected with ``TypeError``: ids are signed, every id outside ``[0, S)`` is invalid)."""
     x = _tensor(x, name, ndim)
     if x.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name} must be an int32 or int64 tensor, got dtype {x.dtype}")
@@ -62,7 +64,8 @@ def index_tensor(x, name: str, *, ndim: int | None = None) -> torch.Tensor:
 
 
 def same_device(**named) -> torch.device:
-    """The common device of the named tensors (``None`` entries are skipped)."""
+    """The common device of the named tensors (``None`` entries are skipped); ``ValueError``
+    naming them when they differ, or naming the first when they are meta tensors (no data)."""
     device, first = None, None
     for name, t in named.items():
         if t is None:
@@ -72,6 +75,8 @@ def same_device(**named) -> torch.device:
         elif t.device != device:
             raise ValueError(f"{name} is on {t.device} but {first} is on {device}; "
                              "all tensors of one call must be on the same device")
+    if device is not None and device.type == "meta":
+        raise ValueError(f"{first} is a meta tensor (it holds no data); the ops need values")
     return device if device is not None else torch.device("cpu")
 
 
@@ -133,6 +138,45 @@ def reject_nan(**named) -> None:
             raise ValueError(f"{name} contains NaN")
 
 
+def head_dim(x: torch.Tensor, name: str) -> int:
+    """The last (head) dimension of ``x``, which must be >= 1."""
+    d = x.shape[-1]
+    if d < 1:
+        raise ValueError(f"{name} must have a head dimension >= 1, got shape {tuple(x.shape)}")
+    return d
+
+
+def reject_negative(**named) -> None:
+    """``ValueError`` for the first named tensor holding a value below 0 (probabilities)."""
+    for name, t in named.items():
+        if t.numel() and bool((t < 0).any()):
+            raise ValueError(f"{name} holds a negative value ({float(t.min())}); it is a "
+                             "probability distribution over the selected slots (section 8)")
+
+
+def reject_loss_values(lse, index_scores, compressed_ids, layout) -> None:
+    """Section 8 value checks of the loss beyond NaN: ``lse = -inf`` (a KV-only lse is the log
+    of a positive sum, or ``+inf``) and a ``+inf`` index score at a selected slot of a real row
+    (the student softmax is undefined there). One reduction each and a host synchronisation."""
+    if lse.numel() and bool((lse == -math.inf).any()):
+        raise ValueError("lse contains -inf; a KV-only lse (section 6) is the log of a positive "
+                         "sum, or +inf on a row without keys")
+    C = index_scores.shape[1]
+    if C == 0 or compressed_ids.numel() == 0:
+        return
+    real = layout.is_real.to(compressed_ids.device).unsqueeze(1)
+    sel = (compressed_ids >= 0) & (compressed_ids < C) & real
+    picked = torch.gather(index_scores, 1,
+                          torch.where(sel, compressed_ids, torch.zeros_like(compressed_ids))
+                          .to(torch.int64))
+    bad = sel & (picked == math.inf)
+    if bool(bad.any()):
+        t, j = torch.nonzero(bad)[0].tolist()
+        raise ValueError(f"index_scores is +inf at a selected slot (row {t}, compressed id "
+                         f"{int(compressed_ids[t, j])}); the student softmax is undefined there "
+                         "(section 8)")
+
+
 # --------------------------------------------------------------------------------------------
 # per-op validation (contract sections 4, 6, 7, 8), shared by the backends
 # --------------------------------------------------------------------------------------------
@@ -148,6 +192,7 @@ class TopkArgs(NamedTuple):
 def validate_stable_topk(scores, k, order, align, deterministic) -> TopkArgs:
     """Section 4 arguments, then the NaN check on ``scores`` (the one value check)."""
     s = float_tensor(scores, "scores", ndim=2)
+    same_device(scores=s)                                      # no meta tensor
     k = as_int(k, "k", minimum=0)
     order = choice(order, "order", ("id", "score"))
     deterministic = as_bool(deterministic, "deterministic")
@@ -183,6 +228,7 @@ def validate_indexer_scores(q_idx, k_idx, weights, layout, ratio, scale,
     as_bool(deterministic, "deterministic")
     dev = same_device(q_idx=q, k_idx=k, weights=w)
     T, HI, DI = q.shape
+    head_dim(q, "q_idx")
     check_dim(q, "q_idx", 0, layout.num_rows, "layout.num_rows")
     check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
     C = layout.num_compressed(ratio)
@@ -215,6 +261,7 @@ def validate_attention_forward(q, kv, ids, sink, scale, v_dim, lengths,
         lengths = index_tensor(lengths, "lengths", ndim=1)
     same_device(q=q, kv=kv, ids=ids, sink=sink, lengths=lengths)
     T, H, D = q.shape
+    head_dim(q, "q")
     check_dim(kv, "kv", 1, D, "q head dim D")
     check_dim(ids, "ids", 0, T, "q rows T")
     check_dim(sink, "sink", 0, H, "q heads H")
@@ -282,6 +329,7 @@ def validate_sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_sco
     dev = same_device(q=q, kv_cmp=kc, sink=sink, lse=lse, compressed_ids=ids,
                       index_scores=scores)
     T, H, D = q.shape
+    head_dim(q, "q")
     check_dim(q, "q", 0, layout.num_rows, "layout.num_rows")
     check_dim(kc, "kv_cmp", 1, D, "q head dim D")
     check_dim(sink, "sink", 0, H, "q heads H")
@@ -334,6 +382,7 @@ def validate_sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, tar
     dev = same_device(q_idx=q, k_idx=k, weights=w, compressed_ids=ids, target=tau,
                       predict=p_in)
     T, HI, DI = q.shape
+    head_dim(q, "q_idx")
     Kc = ids.shape[1]
     check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
     check_dim(w, "weights", 0, T, "rows T")

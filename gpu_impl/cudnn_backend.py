@@ -27,8 +27,10 @@ sparse_attention_backward         default mode, SM90: cuDNN ``sparse_attention_b
                                   (``kernel=``: ``split`` (auto), ``planes``, ``keymajor``);
                                   SM100: cuDNN ``deterministic=True``
 sparse_indexer_loss               teacher from cuDNN ``sparse_attn_score_recompute_wrapper``
-                                  (with ``lse := logaddexp(lse, sink)``, renormalised to undo
-                                  the kernel's ``+1e-10``); student and KL in torch (float32)
+                                  (with ``lse :=`` the per-head normalisers
+                                  ``logaddexp(lse, sink)`` up to a per-row constant,
+                                  renormalised to undo the kernel's ``+1e-10``); student and
+                                  KL in torch (float32)
 sparse_indexer_loss_grad          default mode: cuDNN ``indexer_backward_wrapper`` (float
                                   atomics: ``dw``, ``dk_idx`` not repeatable on SM90);
                                   deterministic, SM90: Triton fixed-order kernels
@@ -56,7 +58,8 @@ import torch
 from reference.indexer_loss import IndexerLoss
 
 from . import torch_backend
-from .checks import (choice, reject_nan, validate_attention_backward,
+from .checks import (choice, reject_loss_values, reject_nan, reject_negative,
+                     validate_attention_backward,
                      validate_attention_forward, validate_indexer_scores,
                      validate_sparse_indexer_loss, validate_sparse_indexer_loss_grad,
                      validate_stable_topk)
@@ -468,7 +471,7 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
                                     deterministic)
     kernel = choice(kernel, "kernel", BACKWARD_KERNELS)
     dev = _require_cuda("q", q)
-    reject_nan(sink=sink)
+    reject_nan(sink=sink, lse=lse)
     S, K = kv.shape[0], ids.shape[1]
     route, _ = _backward_route(q, dv, deterministic, kernel)
     if route == "torch":
@@ -508,8 +511,9 @@ def _loss_route(q):
         return "torch", f"{q.dtype} q (the cuDNN score recompute takes bf16/fp16)"
     if D not in (512, 576) or H < 2 or H % 64 != 0:
         return "torch", f"(H, D) = ({H}, {D}) (routed to cuDNN only for D 512/576, H % 64 == 0)"
-    return "cudnn", ("cudnn.sparse_attn_score_recompute_wrapper (teacher, lse := "
-                     "logaddexp(lse, sink), renormalised) + torch student/KL")
+    return "cudnn", ("cudnn.sparse_attn_score_recompute_wrapper (teacher, lse := the "
+                     "per-head normalisers logaddexp(lse, sink) + per-row constant, "
+                     "renormalised) + torch student/KL")
 
 
 @_no_grad
@@ -519,17 +523,22 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
     """Contract section 8 loss; float32 ``IndexerLoss`` on the inputs' device.
 
     Teacher: cuDNN's sparse attention score recompute computes
-    ``sum_h exp(scale <q,k_c> - L_h) / (sum_c sum_h ... + 1e-10)``; with ``L = logaddexp(lse,
-    sink)`` that is the contract's ``tau`` up to the ``+1e-10``, which the row renormalisation
-    ``tau / sum(tau)`` removes exactly. Rows that are padding or whose ``L`` is not finite for
-    every head (e.g. a ``+inf`` sink) count as rows with no selection, as in the oracle.
-    Student ``softmax`` over the selected columns of ``index_scores`` and the KL in float32.
+    ``sum_h exp(scale <q,k_c> - L_h) / (sum_c sum_h ... + 1e-10)``; with ``L`` the per-head
+    normalisers of :func:`gpu_impl.torch_backend.teacher_normalisers` (``logaddexp(lse, sink)``
+    up to a per-row constant, exact differences even at ``sink = 2.4e38``, ``L >= lse`` so
+    ``exp`` neither overflows nor needlessly underflows) that is the contract's ``tau`` up to
+    the ``+1e-10``, which the row renormalisation ``tau / sum(tau)`` removes exactly. Silenced
+    heads (``L = +inf``) get a zero query and the finite ``L = 1e4`` (``exp(0 - 1e4) = 0``
+    exactly); rows whose every head is silenced have teacher mass zero: ``tau = 0``,
+    ``KL = 0``. Student ``softmax`` over the selected columns
+    of ``index_scores`` (every selected row) and the KL in float32.
     """
     q, kc, sink, lse, ids, scores, coeff, scale, floor, n_real, dev = \
         validate_sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout,
                                      coeff, scale, num_real, loss_floor, deterministic)
     _require_cuda("q", q)
     reject_nan(sink=sink, lse=lse, index_scores=scores)
+    reject_loss_values(lse, scores, ids, layout)
     T, H, D = q.shape
     C, Kc = kc.shape[0], ids.shape[1]
     route, _ = _loss_route(q)
@@ -538,23 +547,28 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
             q, kc, sink, lse, ids, scores, layout, coeff=coeff, scale=scale, num_real=n_real,
             loss_floor=floor, chunk_rows=chunk_rows)
     real = layout.is_real.to(dev)
-    full = torch.logaddexp(lse.to(F32), sink.to(F32).unsqueeze(0))          # L [T, H]
-    row_ok = real & torch.isfinite(full).all(dim=1)
-    valid = (ids >= 0) & (ids < C) & row_ok.unsqueeze(1)
+    norm, has_mass = torch_backend.teacher_normalisers(lse.to(F32), sink.to(F32))           # L [T, H]
+    row_ok = real & has_mass
+    selected = (ids >= 0) & (ids < C) & real.unsqueeze(1)
+    valid = selected & row_ok.unsqueeze(1)
     safe_ids = torch.where(valid, ids, torch.full_like(ids, -1)).to(torch.int32)
-    full_in = torch.where(row_ok.unsqueeze(1), full, torch.zeros_like(full)).contiguous()
+    # silenced heads: zero query and a finite L = 1e4, so exp(0 - 1e4) = 0 exactly
+    silenced = ~torch.isfinite(norm)
+    full_in = torch.where(silenced, torch.full_like(norm, 1e4), norm)
+    full_in = torch.where(row_ok.unsqueeze(1), full_in, torch.zeros_like(full_in)).contiguous()
+    q_in = q.masked_fill(silenced.unsqueeze(-1), 0.0) if bool(silenced.any()) else q
     dsa = _dsa()
     with torch.cuda.device(dev):
         res = dsa.sparse_attn_score_recompute_wrapper(
-            q.contiguous().unsqueeze(0), kc.contiguous().unsqueeze(0), full_in.unsqueeze(0),
+            q_in.contiguous().unsqueeze(0), kc.contiguous().unsqueeze(0), full_in.unsqueeze(0),
             _pad_cols(safe_ids, 128, -1).unsqueeze(0), float(scale), qhead_per_kv_head=H,
             topk_length=None, topk_indices_global=False)
     tau = res["target"][0, :, :Kc].to(F32)
     tau = torch.where(valid, tau, torch.zeros_like(tau))
     tot = tau.sum(dim=1, keepdim=True)
     tau = torch.where(tot > 0, tau / torch.where(tot > 0, tot, torch.ones_like(tot)), tau)
-    safe = torch.where(valid, ids, torch.zeros_like(ids)).to(torch.int64)
-    logits = torch.gather(scores.to(F32), 1, safe).masked_fill(~valid, -INF)
+    safe = torch.where(selected, ids, torch.zeros_like(ids)).to(torch.int64)
+    logits = torch.gather(scores.to(F32), 1, safe).masked_fill(~selected, -INF)
     m = logits.amax(dim=1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(logits - m)
@@ -606,6 +620,7 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
                                                 grad_floor, mode, loss_floor, deterministic)
     _require_cuda("q_idx", q)
     reject_nan(target=tau, predict=p_in)
+    reject_negative(target=tau, predict=p_in)
     T = q.shape[0]
     C, Kc = k.shape[0], ids.shape[1]
     route, _ = _grad_route(q, w, mode, e, deterministic)
@@ -614,13 +629,15 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
     if route == "torch" or T == 0 or Kc == 0:
         return torch_backend.sparse_indexer_loss_grad(q, k, w, ids, tau, p_in,
                                                       deterministic=deterministic, **kwargs)
+    valid = (ids >= 0) & (ids < C)
+    valid = valid & torch_backend.rows_with_teacher_mass(tau, valid)     # rows without teacher mass: zero gradients
     if route == "triton":
         _triton_kernels()                          # a clear error when triton is missing
         kg = importlib.import_module("gpu_impl.kernels_triton_indexer_grad")
+        ids_t = torch.where(valid, ids, torch.full_like(ids, -1))
         with torch.cuda.device(dev):
-            return kg.indexer_loss_grad(q, k, w, ids, tau, p_in, coeff / n_real * grad_loss,
+            return kg.indexer_loss_grad(q, k, w, ids_t, tau, p_in, coeff / n_real * grad_loss,
                                         scale, e)
-    valid = (ids >= 0) & (ids < C)
     safe_ids = _pad_cols(torch.where(valid, ids, torch.full_like(ids, -1)).to(torch.int32),
                          128, -1)
     kp = safe_ids.shape[1]

@@ -168,6 +168,10 @@ def csa_layer(q, kv, sink, layout, *, window, ratio, kv_cmp=None, q_idx=None, k_
     coeff = as_real(coeff, "coeff")
     if q.shape[0] != layout.num_rows:
         raise ValueError(f"q has {q.shape[0]} rows, layout.num_rows is {layout.num_rows}")
+    if kv.shape[0] != layout.num_rows:
+        # raw row t has key id t (section 2): any other count shifts every compressed id
+        raise ValueError(f"kv has {kv.shape[0]} rows, layout.num_rows is {layout.num_rows} "
+                         "(one raw key row per packed row, contract section 2)")
     n_real = layout.num_real if num_real is None else as_int(num_real, "num_real", minimum=1)
     dev = q.device
     ran: dict = {}

@@ -40,10 +40,12 @@ import math
 import torch
 
 from reference.indexer_loss import IndexerLoss
+from reference.qnorm import row_scale
 from reference.layout import PackedLayout
 
 from .checks import (as_bool, as_int, as_real, check_dim, check_layout, choice, float_tensor,
-                     index_tensor, reject_nan, validate_attention_backward,
+                     head_dim, index_tensor, reject_loss_values, reject_nan, reject_negative,
+                     same_device, validate_attention_backward,
                      validate_attention_forward, validate_indexer_scores,
                      validate_sparse_indexer_loss, validate_sparse_indexer_loss_grad,
                      validate_stable_topk)
@@ -283,6 +285,7 @@ def build_csa_indices(layout, *, window, ratio, compressed_ids=None, device=None
     as_bool(deterministic, "deterministic")
     if compressed_ids is not None:
         compressed_ids = index_tensor(compressed_ids, "compressed_ids", ndim=2)
+        same_device(compressed_ids=compressed_ids)           # no meta tensor
         check_dim(compressed_ids, "compressed_ids", 0, layout.num_rows, "layout.num_rows")
         if ratio == 0:
             raise ValueError("compressed_ids must be None for a window-only layer (ratio 0)")
@@ -389,7 +392,7 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
     q, kv, ids, sink, scale, dv, lengths, deterministic, out, lse, dout = \
         validate_attention_backward(q, kv, ids, sink, out, lse, dout, scale, v_dim, lengths,
                                     deterministic)
-    reject_nan(sink=sink)
+    reject_nan(sink=sink, lse=lse)
     T, H, D = q.shape
     S, K = kv.shape[0], ids.shape[1]
     dev = q.device
@@ -436,6 +439,35 @@ def _masked_softmax(x, mask):
     return e / torch.where(z > 0, z, torch.ones_like(z))
 
 
+def teacher_normalisers(lse: torch.Tensor, sink: torch.Tensor):
+    """Contract section 8: per-head teacher normalisers ``LSEf = logaddexp(lse, sink)`` up to one
+    per-row constant, ``(norm [T, H], has_mass [T])``, in the dtype of ``lse``.
+
+    gpu_impl's own implementation (the oracle's is written separately, so that one bug cannot
+    pass the comparison on both sides). The teacher depends only on the scores and on the
+    differences between heads, so each row is shifted by its smallest live ``LSEf`` (exact
+    head differences even at sinks of 2.4e38) and then by the largest ``lse - shifted`` (so
+    ``exp(s - norm)`` stays at most about 1 for linear-domain kernels). A head with a ``+inf``
+    sink is silenced (``norm = +inf``: no teacher mass from it); ``has_mass`` is False on rows
+    whose every head is silenced."""
+    full = torch.logaddexp(lse, sink.to(lse.dtype).unsqueeze(0))
+    live = full != math.inf
+    any_live = live.any(dim=1, keepdim=True)
+    inf = torch.full_like(full, math.inf)
+    base = torch.where(live, full, inf).amin(dim=1, keepdim=True)
+    base = torch.where(any_live, base, torch.zeros_like(base))
+    rel = full - base
+    top = torch.where(live, lse - rel, -inf).amax(dim=1, keepdim=True)
+    top = torch.where(any_live, top, torch.zeros_like(top))
+    return torch.where(live, rel + top, inf), any_live.squeeze(1)
+
+
+def rows_with_teacher_mass(target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Contract section 8: ``[T, 1]``, False on rows whose target is 0 on every valid slot
+    (teacher mass zero: zero gradients)."""
+    return (valid & (target > 0)).any(dim=1, keepdim=True)
+
+
 def _kl(tau, p, mask, floor):
     a = torch.clamp_min(tau, floor)
     terms = a * (torch.log(a) - torch.log(torch.clamp_min(p, floor)))
@@ -446,8 +478,10 @@ def _kl(tau, p, mask, floor):
 def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, *, coeff,
                         scale=None, num_real=None, loss_floor=FLT_MIN, chunk_rows=None,
                         deterministic: bool = True):
-    """Contract section 8 loss, float32, in the oracle's log-space form (the teacher never
-    underflows). Returns :class:`reference.IndexerLoss` with float32 ``loss`` (0-dim), ``kl``,
+    """Contract section 8 loss, float32, in the oracle's log-space form with per-head offsets
+    (:func:`teacher_normalisers`: the teacher never underflows, heads are
+    silenced one by one, huge finite sinks are exact). Rows without teacher mass have
+    ``tau = 0`` and ``KL = 0`` and the student softmax as ``predict``. Returns :class:`reference.IndexerLoss` with float32 ``loss`` (0-dim), ``kl``,
     ``target`` and ``predict`` on the inputs' device; ``num_real`` defaults to
     ``layout.num_real`` (pass the global count under CP).
     """
@@ -455,6 +489,7 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
         validate_sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout,
                                      coeff, scale, num_real, loss_floor, deterministic)
     reject_nan(sink=sink, lse=lse, index_scores=scores)
+    reject_loss_values(lse, scores, ids, layout)
     T, H, D = q.shape
     C, Kc = kc.shape[0], ids.shape[1]
     _, real, _ = _layout_rows(layout, dev)
@@ -462,7 +497,8 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
     safe = torch.where(valid, ids, torch.zeros_like(ids)).to(torch.int64)     # score columns
     safe_z = torch.where(valid, safe, torch.full_like(safe, C))               # key rows
     kc_z = _with_zero_row(kc)
-    full = torch.logaddexp(lse.to(F32), sink.to(F32).unsqueeze(0))                # LSEf [T, H]
+    # LSEf up to a per-row constant, +inf on silenced heads (per-head offsets, section 8)
+    lsef, has_mass = teacher_normalisers(lse.to(F32), sink.to(F32))
     target = torch.zeros((T, Kc), dtype=F32, device=dev)
     predict = torch.zeros((T, Kc), dtype=F32, device=dev)
     kl = torch.zeros(T, dtype=F32, device=dev)
@@ -470,10 +506,9 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
     for r0 in range(0, T, step):
         r1 = min(r0 + step, T)
         v = valid[r0:r1]
-        f = full[r0:r1]
-        massive = v & torch.isfinite(f).all(dim=1, keepdim=True)
+        massive = v & has_mass[r0:r1].unsqueeze(1)
         kg = _gather_rows(kc_z, safe_z[r0:r1])
-        log_a = _mm(q[r0:r1], kg.transpose(1, 2)) * scale - f.unsqueeze(-1)   # [n, H, Kc]
+        log_a = _mm(q[r0:r1], kg.transpose(1, 2)) * scale - lsef[r0:r1].unsqueeze(-1)
         log_a = log_a.masked_fill(~massive.unsqueeze(1), -INF)
         per_c = torch.logsumexp(log_a, dim=1)                                 # [n, Kc]
         norm = torch.logsumexp(per_c, dim=1, keepdim=True)
@@ -482,7 +517,7 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
         sc = scores[r0:r1].to(F32)
         if C == 0:                        # no compressed key: every slot is invalid (massive is
             sc = sc.new_zeros((r1 - r0, 1))   # all False), gather from one zero column
-        p = _masked_softmax(torch.gather(sc, 1, safe[r0:r1]), massive)
+        p = _masked_softmax(torch.gather(sc, 1, safe[r0:r1]), v)   # every selected row
         target[r0:r1] = tau
         predict[r0:r1] = p
         kl[r0:r1] = _kl(tau, p, massive, floor)
@@ -504,16 +539,19 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
     the same expression with ``p`` recomputed in float32 from the indexer logits and the floor
     ``loss_floor`` (``d log max(p, f) / dp`` vanishes where ``p < f``); ``predict`` is unused.
     Both chain through the indexer with the strict gate ``z > 0``; ``dk_idx`` goes through
-    :func:`fixed_order_scatter_add`.
+    :func:`fixed_order_scatter_add`. Rows whose ``target`` is 0 on every valid slot (teacher
+    mass zero) get zero gradients; negative ``target`` / ``predict`` raise ``ValueError``.
     """
     q, k, w, ids, tau, p_in, coeff, n_real, grad_loss, scale, e, floor, mode, deterministic, \
         dev = validate_sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target,
                                                 predict, coeff, num_real, grad_loss, scale,
                                                 grad_floor, mode, loss_floor, deterministic)
     reject_nan(target=tau, predict=p_in)
+    reject_negative(target=tau, predict=p_in)
     T, HI, DI = q.shape
     C, Kc = k.shape[0], ids.shape[1]
     valid = (ids >= 0) & (ids < C)
+    valid = valid & rows_with_teacher_mass(tau, valid)     # rows without teacher mass: zero gradients
     safe = torch.where(valid, ids, torch.full_like(ids, C)).to(torch.int64)
     k_z = _with_zero_row(k)
     gs = coeff / n_real * grad_loss
@@ -559,12 +597,20 @@ def q_rms_norm(q, eps: float = 1e-6, *, deterministic: bool = True):
     float64 and rounded once (a correctly rounded float32 rsqrt), the product is float32.
     """
     x = float_tensor(q, "q")
+    same_device(q=x)
     if x.dim() < 1:
         raise ValueError("q must have at least one dimension (the head dimension)")
+    head_dim(x, "q")
     eps = as_real(eps, "eps", positive=True)
     as_bool(deterministic, "deterministic")
-    x32 = x.contiguous().to(F32)
+    # float64 rows with max |q| > 1 are first divided by a power of two s >= max |q| (exact),
+    # with eps / s^2 in place of eps: q of 1e200 normalises to 1 instead of overflowing float32.
+    # Narrower inputs (whose squares never overflow the float64 mean) and rows with
+    # max |q| <= 1 keep s = 1, i.e. the formula above bit for bit.
+    s = row_scale(x.contiguous()) if x.dtype == torch.float64 else \
+        torch.ones((), dtype=torch.float64, device=x.device)
+    x32 = (x.contiguous() / s).to(F32)
     ms = x32.to(torch.float64).square().mean(dim=-1, keepdim=True).to(F32)
-    denom = ms + torch.tensor(eps, dtype=F32, device=x.device)
+    denom = ms + (eps / s.to(torch.float64).square()).to(F32)
     inv = torch.rsqrt(denom.to(torch.float64)).to(F32)
     return (x32 * inv).to(x.dtype)

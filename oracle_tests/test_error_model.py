@@ -395,6 +395,65 @@ def test_indexer_loss_bounds_fp64_vs_independent_form():
         assert ratio(got, exp, bd) <= 1
 
 
+def emulated_stable_loss(q, kv_cmp, sink, lse, ids, scores, coeff, floor=2.0 ** -126):
+    """A stable fp32 kernel of section 8, written independently of the oracle: the log-domain
+    teacher ``softmax_c(logsumexp_h(s - (LSEf_h - min_h LSEf)))`` (exact head differences),
+    ``+inf``-sink heads silenced alone; student, KL and loss as above; rows without teacher
+    mass have tau = 0 and KL = 0 (their student is kept)."""
+    C = kv_cmp.shape[0]
+    valid = (ids >= 0) & (ids < C) & LAYOUT.is_real[:, None]
+    kg = kv_cmp.float()[torch.where(valid, ids, torch.zeros_like(ids))]
+    s = DA ** -0.5 * torch.einsum("thd,tkd->thk", q.float(), kg)
+    full = torch.logaddexp(lse.float(), sink.float()[None])
+    fin = torch.isfinite(full)
+    has = fin.any(1)
+    m = torch.where(fin, full, torch.full_like(full, math.inf)).amin(1, keepdim=True)
+    off = torch.where(fin, full - torch.where(has[:, None], m, torch.zeros_like(m)),
+                      torch.full_like(full, math.inf))
+    mass = valid & has[:, None]
+    per_c = torch.logsumexp(s - off[..., None], dim=1).masked_fill(~mass, -math.inf)
+    tau = torch.softmax(per_c, dim=1).nan_to_num(0.0)
+    x = torch.gather(scores, 1, torch.where(valid, ids, torch.zeros_like(ids))).masked_fill(~valid, -math.inf)
+    m = x.amax(1, keepdim=True)
+    e = torch.exp(x - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+    p = e / e.sum(1, keepdim=True).clamp_min(1e-38)
+    tb, pb = tau.clamp_min(floor), p.clamp_min(floor)
+    kl = torch.where(mass, tb * (torch.log(tb) - torch.log(pb)), torch.zeros_like(tb)).sum(1)
+    return coeff * kl.sum() / LAYOUT.num_real, kl, tau, p
+
+
+@pytest.mark.parametrize("sinks", [[2.4e38] * HA, [0.5, math.inf] * (HA // 2),
+                                   [2.4e38, 0.5] * (HA // 2), [math.inf] * HA],
+                         ids=["all-huge", "mixed-pos-inf", "mixed-huge", "all-pos-inf"])
+def test_indexer_loss_bounds_tight_at_extreme_sinks(sinks):
+    """Section 8 stable teacher: at ``sink = 2.4e38`` the bounds stay as tight as at ordinary
+    sinks (the old ``u |LSEf|`` term made them as large as the values: a float32 loss of 0
+    against the oracle's passed with ratio 1), ``+inf`` sinks silence heads one by one, and rows
+    without teacher mass are judged exactly (tau 0, KL 0) with a student bound as elsewhere."""
+    q, kv_cmp, _, lse, ids, scores, _ = _loss_case(seed=16)
+    sink = torch.tensor(sinks, dtype=F32)
+    res = sparse_indexer_loss(q, kv_cmp, sink, lse, ids, scores, LAYOUT, coeff=1.0)
+    b = indexer_loss_bound(q, kv_cmp, sink, lse, ids, scores, LAYOUT, res, coeff=1.0,
+                           precision=KERNEL)
+    got = emulated_stable_loss(q, kv_cmp, sink, lse, ids, scores, 1.0)
+    for name, g, exp, bd in zip(("loss", "kl", "target", "predict"), got,
+                                (res.loss, res.kl, res.target, res.predict),
+                                (b.loss, b.kl, b.target, b.predict)):
+        assert ratio(g, exp, bd) <= 1, name
+        if float(bd.max()) > 0:
+            assert ratio(perturbed(exp, bd), exp, bd) > 1, name
+        else:                                               # exact: any error is infinite
+            assert ratio(exp + 1e-30, exp, bd) == math.inf, name
+    sel = (ids >= 0) & LAYOUT.is_real[:, None]
+    assert bool((b.predict[sel] > 0).all())             # the student is judged on every row
+    if math.isinf(sinks[0]) and math.isinf(sinks[-1]):  # no teacher mass anywhere
+        assert float(res.loss) == 0 and bool((b.target == 0).all()) and bool((b.kl == 0).all())
+        return
+    assert float(b.loss) < 1e-3 * abs(float(res.loss))          # tight, not the value's size
+    assert float(b.target[sel].max()) < 1e-3
+    assert ratio(torch.zeros(()), res.loss, b.loss) > 100       # a loss of 0 fails by far
+
+
 def emulated_indexer_grad(q, k, w, ids, tau, p, gs, scale, e=math.exp(-100)):
     """The clipped-log kernel form: fp32 grad signal, dS rounded to bf16 before the GEMMs,
     bf16 dq/dw/dk (dk accumulated in fp32)."""

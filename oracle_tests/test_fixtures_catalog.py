@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from fixtures import CATEGORIES, STORED_CASES, catalog, empty_rows, run_oracle
+from fixtures import CATEGORIES, STORED_CASES, catalog, empty_rows, get, run_oracle
 from fixtures.case import HOSTILE_IDS, LARGE_SINK
 from fixtures.store import check_nonfinite
 
@@ -244,6 +244,23 @@ def test_catalog_spans_the_required_variants():
     assert {c.index_dtype for c in by("hostile_ids")} == {"int32", "int64"}
     assert {c.layer for c in CASES} == {"csa", "hca", "window"}
     assert {c.order for c in CASES} == {"id", "score"}
+
+
+def test_poison_reaches_the_rows_clamped_invalid_ids_read():
+    """Some stored NaN-poison case has NaN in key row 0 (where ``-1`` slots clamp) and in the
+    last row (where ``S``/``INT_MAX`` clamp) of the raw and of the compressed buffer, of the
+    logical key buffer and of the indexer keys, and every oracle output stays NaN-free."""
+    hits = []
+    for name in STORED_CASES:
+        c = get(name)
+        if "nan_poison" not in c.categories:
+            continue
+        x = c.materialize()
+        if all(bool(torch.isnan(x[k][0]).any()) and bool(torch.isnan(x[k][-1]).any())
+               for k in ("kv_raw", "kv_cmp", "kv", "k_idx")):
+            hits.append(name)
+            _poison(c, x, run_oracle(c, x))
+    assert hits, "no stored NaN-poison case poisons key row 0 and the last key rows"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

@@ -143,6 +143,13 @@ def test_layer_rejects_bad_arguments():
         csa_layer(leaf["q"], leaf["kv_raw"], leaf["sink"], "layout", window=8, ratio=0)
     with pytest.raises(ValueError, match="window"):
         csa_layer(leaf["q"], leaf["kv_raw"], leaf["sink"], lay, window=0, ratio=0)
+    # raw key rows other than T shift every compressed id (section 2): rejected, not wrong rows
+    pad = torch.zeros((3, leaf["kv_raw"].shape[1]), dtype=leaf["kv_raw"].dtype)
+    for kv in (leaf["kv_raw"][:-1], torch.cat([leaf["kv_raw"], pad])):
+        with pytest.raises(ValueError, match=r"kv has \d+ rows"):
+            csa_layer(leaf["q"], kv, leaf["sink"], lay, window=8, ratio=4, kv_cmp=leaf["kv_cmp"])
+        with pytest.raises(ValueError, match=r"kv has \d+ rows"):
+            csa_layer(leaf["q"], kv, leaf["sink"], lay, window=8, ratio=0)
 
 
 def test_layer_backend_per_op_is_recorded():

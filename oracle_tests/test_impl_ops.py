@@ -74,11 +74,14 @@ def test_ops_in_small_row_chunks(impl, case):
     assert_checks(judge(impl, case, x, got), f"{impl.id} chunk_rows=7 {case}")
 
 
+@pytest.mark.parametrize("name", ["nan-poison-layer", "nan-poison-edge-rows"])
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_poisoned_rows_never_leak(impl):
-    """NaN in every unselected key row: every output stays finite where the oracle's is, and
-    equals the implementation's result on the same inputs with the poison replaced by zeros."""
-    case = fixtures.get("nan-poison-layer")
+def test_poisoned_rows_never_leak(impl, name):
+    """NaN in every unselected key row (``nan-poison-edge-rows``: key row 0 and the last raw
+    and compressed rows too, the rows a kernel that clamps invalid ids reads): every output
+    stays finite where the oracle's is, and equals the implementation's result on the same
+    inputs with the poison replaced by zeros."""
+    case = fixtures.get(name)
     x = _on(impl, case.materialize())
     clean = dict(x)
     for k in ("kv", "kv_raw", "kv_cmp", "k_idx"):
@@ -112,6 +115,53 @@ def test_q_rms_norm(impl):
         assert torch.equal(res.q.cpu(), R.q_rms_norm_bf16(q))
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_q_rms_norm_of_huge_float64_rows(impl):
+    """Section 9: float64 ``q = 1e200`` normalises to 1 (squaring first overflowed: 0 or NaN)."""
+    q = torch.full((2, 3, 8), 1e200, dtype=torch.float64, device=impl.device)
+    q[1] *= -1
+    res = api.q_rms_norm(q, backend=impl.request)
+    assert res.q.cpu().abs().tolist() == torch.ones(2, 3, 8, dtype=torch.float64).tolist()
+    assert bool((res.q.cpu()[1] < 0).all())
+
+
+# One real row, H = 2, two selected keys with s = [5, 0] on both heads (the oracle's closed form
+# in test_reference_loss): head 0 alone gives tau = softmax([5, 0]).
+_CLOSED_TAU = [1 / (1 + math.exp(-5.0)), math.exp(-5.0) / (1 + math.exp(-5.0))]
+
+
+@pytest.mark.parametrize("sink", [[0.0, math.inf], [2.4e38, 2.4e38], [math.inf, math.inf]],
+                         ids=["0,+inf", "huge,huge", "+inf,+inf"])
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_loss_teacher_per_head_silencing_and_huge_sinks(impl, sink):
+    """Section 8 in the backends: a ``+inf``-sink head is silenced alone, huge finite sinks
+    cancel exactly (float32 ``s - LSEf`` absorbed ``s``), and a row without teacher mass keeps
+    its student, has KL 0 and gets exactly zero gradients."""
+    dev = impl.device
+    lay = R.PackedLayout([0, 1])
+    q = torch.ones((1, 2, 1), dtype=torch.float32, device=dev)
+    kc = torch.tensor([[5.0], [0.0]], device=dev)
+    lse = torch.full((1, 2), math.log(math.exp(5.0) + 1.0), device=dev)
+    ids = torch.tensor([[0, 1]], dtype=torch.int32, device=dev)
+    sc = torch.tensor([[0.25, -0.5]], device=dev)
+    res = api.sparse_indexer_loss(q, kc, torch.tensor(sink, device=dev), lse, ids, sc, lay,
+                                  coeff=1.0, scale=1.0, backend=impl.request)
+    p = torch.softmax(torch.tensor([0.25, -0.5], dtype=torch.float64), 0)
+    assert torch.allclose(res.predict[0].cpu().double(), p, rtol=1e-6, atol=0)
+    if math.isinf(sink[0]):                      # every head silenced: no teacher mass
+        assert res.target.cpu().tolist() == [[0.0, 0.0]] and float(res.loss) == 0.0
+        qi = torch.randn(1, 2, 4, device=dev)
+        g = api.sparse_indexer_loss_grad(qi, torch.randn(2, 4, device=dev),
+                                         torch.randn(1, 2, device=dev), ids, res.target,
+                                         res.predict, coeff=1.0, num_real=1,
+                                         backend=impl.request)
+        assert not bool(g.dq_idx.any()) and not bool(g.dw.any()) and not bool(g.dk_idx.any())
+        return
+    assert torch.allclose(res.target[0].cpu().double(), torch.tensor(_CLOSED_TAU, dtype=torch.float64),
+                          rtol=1e-6, atol=0)
+    assert float(res.loss) > 0
+
+
 # --------------------------------------------------------------------------------------------
 # bad inputs: a clear error naming the argument, raised before any kernel launch
 # --------------------------------------------------------------------------------------------
@@ -139,6 +189,17 @@ def _bad_calls(device):
     out, lse = torch_backend.sparse_attention_forward(q, kvp, ids, sink, lengths=lengths)
     cmp_bad = torch.full((T, 2), -1, dtype=torch.int32, device=device)
     cmp_bad[0, 0] = 0                      # row 0 sees no compressed group yet
+    zs = torch.zeros(T, case.C, device=device)
+    s_inf = zs.clone()
+    s_inf[0, 0] = math.inf                 # +inf at the selected slot (row 0, id 0)
+    lse_nan = lse.clone()
+    lse_nan[2, 1] = math.nan
+    lse_ninf = lse.clone()
+    lse_ninf[2, 1] = -math.inf
+    p_ok = torch.zeros(T, 2, device=device)
+    p_neg = p_ok.clone()
+    p_neg[1, 0] = -0.25
+    meta = dict(q=q.to("meta"), kv=kvp.to("meta"), ids=ids.to("meta"), sink=sink.to("meta"))
     return [
         ("q not a tensor", lambda b: api.sparse_attention_forward(q.tolist(), kvp, ids, sink, backend=b), TypeError, "q"),
         ("q 2-D", lambda b: api.sparse_attention_forward(q[0], kvp, ids, sink, backend=b), ValueError, "q"),
@@ -163,6 +224,19 @@ def _bad_calls(device):
         ("loss coeff inf", lambda b: api.sparse_indexer_loss(q, x["kv_cmp"], sink, lse, cmp_bad, torch.zeros(T, case.C, device=device), lay, coeff=math.inf, backend=b), ValueError, "coeff"),
         ("grad num_real 0", lambda b: api.sparse_indexer_loss_grad(x["q_idx"], x["k_idx"], x["weights"], cmp_bad, torch.zeros(T, 2, device=device), torch.zeros(T, 2, device=device), coeff=1.0, num_real=0, backend=b), ValueError, "num_real"),
         ("grad mode", lambda b: api.sparse_indexer_loss_grad(x["q_idx"], x["k_idx"], x["weights"], cmp_bad, torch.zeros(T, 2, device=device), torch.zeros(T, 2, device=device), coeff=1.0, num_real=5, mode="exact", backend=b), ValueError, "mode"),
+        ("bwd lse NaN", lambda b: api.sparse_attention_backward(q, kvp, ids, sink, out, lse_nan, out, lengths=lengths, backend=b), ValueError, "lse"),
+        ("ids uint64", lambda b: api.sparse_attention_forward(q, kvp, ids.clamp_min(0).to(torch.uint64), sink, backend=b), TypeError, "ids"),
+        ("head dim 0", lambda b: api.sparse_attention_forward(q[..., :0], kvp[:, :0], ids, sink, backend=b), ValueError, "q"),
+        ("meta tensors", lambda b: api.sparse_attention_forward(meta["q"], meta["kv"], meta["ids"], meta["sink"], backend="torch"), ValueError, "q is a meta tensor"),
+        ("meta scores", lambda b: api.stable_topk(s.to("meta"), 3, backend="torch"), ValueError, "scores is a meta tensor"),
+        ("meta compressed_ids", lambda b: api.build_csa_indices(lay, window=4, ratio=4, compressed_ids=cmp_bad.to("meta"), backend="torch"), ValueError, "compressed_ids is a meta tensor"),
+        ("meta q norm", lambda b: api.q_rms_norm(q.to("meta"), backend="torch"), ValueError, "q is a meta tensor"),
+        ("loss +inf selected score", lambda b: api.sparse_indexer_loss(q, x["kv_cmp"], sink, lse, cmp_bad, s_inf, lay, coeff=1.0, backend=b), ValueError, "index_scores"),
+        ("loss lse -inf", lambda b: api.sparse_indexer_loss(q, x["kv_cmp"], sink, lse_ninf, cmp_bad, zs, lay, coeff=1.0, backend=b), ValueError, "lse"),
+        ("loss head dim 0", lambda b: api.sparse_indexer_loss(q[..., :0], x["kv_cmp"][:, :0], sink, lse, cmp_bad, zs, lay, coeff=1.0, backend=b), ValueError, "q"),
+        ("grad target negative", lambda b: api.sparse_indexer_loss_grad(x["q_idx"], x["k_idx"], x["weights"], cmp_bad, p_neg, p_ok, coeff=1.0, num_real=5, backend=b), ValueError, "target"),
+        ("grad predict negative", lambda b: api.sparse_indexer_loss_grad(x["q_idx"], x["k_idx"], x["weights"], cmp_bad, p_ok, p_neg, coeff=1.0, num_real=5, backend=b), ValueError, "predict"),
+        ("qnorm head dim 0", lambda b: api.q_rms_norm(q[..., :0], backend=b), ValueError, "q"),
         ("qnorm eps", lambda b: api.q_rms_norm(q, eps=-1.0, backend=b), ValueError, "eps"),
         ("backend name", lambda b: api.q_rms_norm(q, backend="triton"), ValueError, "backend"),
     ], good

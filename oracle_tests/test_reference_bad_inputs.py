@@ -129,6 +129,20 @@ def with_nan(x, where=(0, 0)):
     return y
 
 
+def with_inf_at_selected(b):
+    """``index_scores`` with ``+inf`` at the first selected slot of a real row (section 8)."""
+    t, j = torch.nonzero(b["cmp_ids"] >= 0)[0].tolist()
+    y = b["scores"].clone()
+    y[t, int(b["cmp_ids"][t, j])] = INF
+    return y
+
+
+def negative_at_first(x):
+    y = x.clone()
+    y.view(-1)[int(torch.nonzero(x.reshape(-1) > 0)[0])] = -1e-3
+    return y
+
+
 BUILDERS = {"layout": lambda b, **kw: layout_call(**kw), "topk": topk_call,
             "indexer": indexer_call, "indices": indices_call, "fwd": fwd_call, "bwd": bwd_call,
             "loss": loss_call, "grad": grad_call, "qnorm": qnorm_call, "qnorm_bf16": qnorm_bf16_call,
@@ -173,6 +187,7 @@ CASES = [
     ("indexer-w-rows", "indexer", lambda b: dict(weights=b["weights"][1:]), ValueError, "weights"),
     ("indexer-scale-inf", "indexer", lambda b: dict(scale=INF), ValueError, "scale"),
     ("indexer-scale-str", "indexer", lambda b: dict(scale="0.5"), TypeError, "scale"),
+    ("indexer-head-dim-zero", "indexer", lambda b: dict(q_idx=b["q_idx"][..., :0], k_idx=b["k_idx"][:, :0]), ValueError, "q_idx"),
     # section 5: CSA rows
     ("indices-layout", "indices", lambda b: dict(layout=None), TypeError, "layout"),
     ("indices-window-zero", "indices", lambda b: dict(window=0), ValueError, "window"),
@@ -198,12 +213,15 @@ CASES = [
     ("fwd-v-dim-zero", "fwd", lambda b: dict(v_dim=0), ValueError, "v_dim"),
     ("fwd-scale-nan", "fwd", lambda b: dict(scale=NAN), ValueError, "scale"),
     ("fwd-chunk-zero", "fwd", lambda b: dict(chunk_rows=0), ValueError, "chunk_rows"),
+    ("fwd-ids-uint64", "fwd", lambda b: dict(ids=b["ids"].clamp_min(0).to(torch.uint64)), TypeError, "ids"),
+    ("fwd-head-dim-zero", "fwd", lambda b: dict(q=b["q"][..., :0], kv=b["kv"][:, :0]), ValueError, "q"),
     # section 6: attention backward
     ("bwd-out-shape", "bwd", lambda b: dict(out=b["out"][:, :1]), ValueError, "out"),
     ("bwd-lse-shape", "bwd", lambda b: dict(lse=b["lse"][1:]), ValueError, "lse"),
     ("bwd-dout-shape", "bwd", lambda b: dict(dout=b["dout"][..., :-1]), ValueError, "dout"),
     ("bwd-dout-int", "bwd", lambda b: dict(dout=b["dout"].to(torch.int32)), TypeError, "dout"),
     ("bwd-ids-rows", "bwd", lambda b: dict(ids=b["ids"][:-2]), ValueError, "ids"),
+    ("bwd-lse-nan", "bwd", lambda b: dict(lse=with_nan(b["lse"], (3, 1))), ValueError, "lse"),
     # section 8: loss
     ("loss-layout", "loss", lambda b: dict(layout="csa"), TypeError, "layout"),
     ("loss-q-rows", "loss", lambda b: dict(q=b["q"][:-1]), ValueError, "q"),
@@ -218,6 +236,10 @@ CASES = [
     ("loss-coeff-missing-type", "loss", lambda b: dict(coeff=None), TypeError, "coeff"),
     ("loss-num-real-zero", "loss", lambda b: dict(num_real=0), ValueError, "num_real"),
     ("loss-floor-zero", "loss", lambda b: dict(loss_floor=0.0), ValueError, "loss_floor"),
+    ("loss-scores-pos-inf-selected", "loss", lambda b: dict(index_scores=with_inf_at_selected(b)), ValueError, "index_scores"),
+    ("loss-lse-neg-inf", "loss", lambda b: dict(lse=b["lse"].masked_fill(torch.arange(T).unsqueeze(1) == 3, -INF)), ValueError, "lse"),
+    ("loss-ids-uint64", "loss", lambda b: dict(compressed_ids=b["cmp_ids"].clamp_min(0).to(torch.uint64)), TypeError, "compressed_ids"),
+    ("loss-head-dim-zero", "loss", lambda b: dict(q=b["q"][..., :0], kv_cmp=b["kv"][T:, :0]), ValueError, "q"),
     # section 8: loss gradients
     ("grad-target-shape", "grad", lambda b: dict(target=b["target"][:, :-1]), ValueError, "target"),
     ("grad-predict-shape", "grad", lambda b: dict(predict=b["predict"][1:]), ValueError, "predict"),
@@ -230,10 +252,14 @@ CASES = [
     ("grad-w-shape", "grad", lambda b: dict(weights=b["weights"][:, :1]), ValueError, "weights"),
     ("grad-ids-float", "grad", lambda b: dict(compressed_ids=b["cmp_ids"].to(F64)), TypeError, "compressed_ids"),
     ("grad-grad-loss-inf", "grad", lambda b: dict(grad_loss=INF), ValueError, "grad_loss"),
+    ("grad-target-negative", "grad", lambda b: dict(target=negative_at_first(b["target"])), ValueError, "target"),
+    ("grad-predict-negative", "grad", lambda b: dict(predict=negative_at_first(b["predict"])), ValueError, "predict"),
+    ("grad-head-dim-zero", "grad", lambda b: dict(q_idx=b["q_idx"][..., :0], k_idx=b["k_idx"][:, :0]), ValueError, "q_idx"),
     # section 9: q norm
     ("qnorm-list", "qnorm", lambda b: dict(q=[1.0, 2.0]), TypeError, "q"),
     ("qnorm-int", "qnorm", lambda b: dict(q=torch.ones(2, 4, dtype=torch.int32)), TypeError, "q"),
     ("qnorm-eps-zero", "qnorm", lambda b: dict(eps=0.0), ValueError, "eps"),
+    ("qnorm-head-dim-zero", "qnorm", lambda b: dict(q=b["q"][..., :0]), ValueError, "q"),
     ("qnorm-bf16-float32", "qnorm_bf16", lambda b: dict(q=b["q"].float()), TypeError, "q"),
     ("qnorm-bf16-eps-negative", "qnorm_bf16", lambda b: dict(eps=-1e-6), ValueError, "eps"),
     # section 10: CP partitions
@@ -278,3 +304,23 @@ def test_zigzag_names_the_capacity_tail():
     layout = R.PackedLayout([0, 8], [0, 8], 10)       # a capacity tail of 2 rows
     with pytest.raises(ValueError, match="capacity tail"):
         R.cp_partition(layout, 2, mode="zigzag")
+
+
+@pytest.mark.parametrize("builder,name", [("fwd", "q"), ("loss", "q"), ("qnorm", "q"),
+                                          ("indexer", "q_idx"), ("grad", "q_idx")])
+def test_meta_tensors_raise_naming_the_argument(valid, builder, name):
+    """A meta tensor holds no data: ValueError naming it (not NotImplementedError)."""
+    fn, args, kwargs = BUILDERS[builder](valid, **{name: valid[name].to("meta")})
+    with pytest.raises(ValueError, match=rf"{name} is a meta tensor"):
+        fn(*args, **kwargs)
+
+
+def test_q_rms_norm_does_not_overflow():
+    """Section 9: ``q = 1e200`` normalises to 1 (``q**2`` would overflow to ``inf``), small
+    ``q`` to ``q / sqrt(eps)``, and rows with ``max |q| <= 1`` keep the plain formula's bits."""
+    q = torch.tensor([[1e200, -1e200, 1e200, 1e200], [1e-200, 0.0, -1e-200, 1e-200]], dtype=F64)
+    out = R.q_rms_norm(q)
+    assert out[0].tolist() == [1.0, -1.0, 1.0, 1.0]
+    assert torch.allclose(out[1], q[1] / math.sqrt(1e-6), rtol=1e-15, atol=0)
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(1), dtype=F64) * 0.2
+    assert torch.equal(R.q_rms_norm(x), x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6))

@@ -266,3 +266,86 @@ def test_inputs_are_not_modified():
     assert content_hashes(q, kv_cmp, sink, lse, cmp32, scores, x.q_idx, x.k_idx,
                           x.weights) == before
     assert content_hashes(res.target, res.predict) == t_p
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 8: heads silenced one by one, huge finite sinks, rows without teacher mass
+# ---------------------------------------------------------------------------------------------
+# One real row, H = 2 heads with q = [1], two selected compressed keys kv_cmp = [5], [0],
+# scale 1: s = [5, 0] on both heads, lse = log(e^5 + 1) on both. Head 0 alone gives
+# tau = softmax(s) = [1/(1+e^-5), e^-5/(1+e^-5)] = [0.99331, 0.00669].
+CLOSED_LAYOUT = R.PackedLayout([0, 1])
+CLOSED = dict(q=torch.ones((1, 2, 1), dtype=F64), kv_cmp=torch.tensor([[5.0], [0.0]], dtype=F64),
+              lse=torch.full((1, 2), math.log(math.exp(5.0) + 1.0), dtype=F64),
+              compressed_ids=torch.tensor([[0, 1]]),
+              index_scores=torch.tensor([[0.25, -0.5]], dtype=F64))
+CLOSED_TAU = [1 / (1 + math.exp(-5.0)), math.exp(-5.0) / (1 + math.exp(-5.0))]
+CLOSED_P = [1 / (1 + math.exp(-0.75)), math.exp(-0.75) / (1 + math.exp(-0.75))]
+
+
+def closed_loss(sink):
+    c = CLOSED
+    return R.sparse_indexer_loss(c["q"], c["kv_cmp"], torch.tensor(sink, dtype=F64), c["lse"],
+                                 c["compressed_ids"], c["index_scores"], CLOSED_LAYOUT,
+                                 coeff=1.0, scale=1.0)
+
+
+@pytest.mark.parametrize("sink", [[0.0, INF], [INF, 0.0], [2.4e38, 2.4e38], [0.0, 2.4e38],
+                                  [-2.4e38, -2.4e38], [-INF, INF]],
+                         ids=["0,+inf", "+inf,0", "huge,huge", "0,huge", "-huge,-huge", "-inf,+inf"])
+def test_teacher_closed_form_with_silenced_and_huge_sink_heads(sink):
+    """A ``+inf``-sink head has A = 0 and the other head still carries the teacher (the old
+    whole-row silencing gave [0, 0]); equal huge finite sinks cancel exactly (``s - LSEf`` in
+    float64 absorbed ``s`` and gave [0.5, 0.5]); a huge sink on one head silences it."""
+    res = closed_loss(sink)
+    assert torch.allclose(res.target[0], torch.tensor(CLOSED_TAU, dtype=F64), rtol=1e-14, atol=0)
+    assert torch.allclose(res.predict[0], torch.tensor(CLOSED_P, dtype=F64), rtol=1e-14, atol=0)
+    kl = sum(t * (math.log(t) - math.log(p)) for t, p in zip(CLOSED_TAU, CLOSED_P))
+    assert math.isclose(float(res.loss), kl, rel_tol=1e-13)
+
+
+def test_row_without_teacher_mass_keeps_its_student_and_gets_zero_gradients():
+    """Every head silenced: tau = 0, KL = 0, predict = the student softmax (not 0), and both
+    gradient forms are exactly 0 on that row while the other rows keep theirs."""
+    res = closed_loss([INF, INF])
+    assert res.target.tolist() == [[0.0, 0.0]] and float(res.loss) == 0.0
+    assert torch.allclose(res.predict[0], torch.tensor(CLOSED_P, dtype=F64), rtol=1e-14, atol=0)
+    case, x, loss_args = pipeline("csa-padded")
+    q, kv_cmp, sink, lse, cmp_ids, scores, layout = loss_args
+    rows = torch.nonzero((cmp_ids >= 0).any(dim=1) & layout.is_real).flatten()
+    dead = rows[::2]                                   # every other selecting row: lse = +inf
+    lse_dead = lse.clone()
+    lse_dead[dead] = INF                               # LSEf = +inf on every head of those rows
+    res = R.sparse_indexer_loss(q, kv_cmp, sink, lse_dead, cmp_ids, scores, layout,
+                                coeff=case.coeff)
+    ref = R.sparse_indexer_loss(*loss_args, coeff=case.coeff)
+    assert bool((res.target[dead] == 0).all()) and bool((res.kl[dead] == 0).all())
+    assert torch.equal(res.predict, ref.predict)        # the student ignores the teacher
+    live = torch.ones(layout.num_rows, dtype=torch.bool)
+    live[dead] = False
+    assert torch.equal(res.target[live], ref.target[live])
+    for mode in ("clipped", "autograd"):
+        dq, dw, _ = R.sparse_indexer_loss_grad(x.q_idx, x.k_idx, x.weights, cmp_ids, res.target,
+                                               res.predict, coeff=case.coeff,
+                                               num_real=res.num_real, mode=mode)
+        dq0, dw0, _ = R.sparse_indexer_loss_grad(x.q_idx, x.k_idx, x.weights, cmp_ids,
+                                                 ref.target, ref.predict, coeff=case.coeff,
+                                                 num_real=ref.num_real, mode=mode)
+        assert bool((dq[dead] == 0).all()) and bool((dw[dead] == 0).all()), mode
+        assert bool((dw0[dead] != 0).any()), mode      # those rows had gradients before
+        if mode == "clipped":                          # per-row: the live rows are unchanged
+            assert torch.equal(dq[live], dq0[live]) and torch.equal(dw[live], dw0[live])
+
+
+def test_loss_bits_do_not_depend_on_chunking_with_mixed_sinks():
+    """Per-head offsets are per row: the same bits for any ``chunk_rows``, with ordinary,
+    ``+inf`` and huge finite sinks in one call."""
+    case, _, loss_args = pipeline("csa-padded")
+    q, kv_cmp, sink, lse, cmp_ids, scores, layout = loss_args
+    mixed = torch.tensor([0.3, INF, 2.4e38, -1.0, -INF, 5.0][: sink.numel()], dtype=F64)
+    ref = R.sparse_indexer_loss(q, kv_cmp, mixed, lse, cmp_ids, scores, layout, coeff=case.coeff)
+    for rows in (1, 3, 5):
+        res = R.sparse_indexer_loss(q, kv_cmp, mixed, lse, cmp_ids, scores, layout,
+                                    coeff=case.coeff, chunk_rows=rows)
+        for a, b in zip(res[:4], ref[:4]):
+            assert torch.equal(a, b), rows

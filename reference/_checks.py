@@ -15,10 +15,16 @@ F64 = torch.float64
 CPU = torch.device("cpu")
 
 
+def _no_meta(x: torch.Tensor, name: str) -> None:
+    if x.is_meta:
+        raise ValueError(f"{name} is a meta tensor (it holds no data); the oracle needs values")
+
+
 def as_float64(x, name: str, *, ndim: int | None = None, allow_nan: bool = True) -> torch.Tensor:
     """A float tensor of any dtype/device as a float64 CPU tensor (a view or copy, never mutated)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    _no_meta(x, name)
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     if ndim is not None and x.dim() != ndim:
@@ -35,11 +41,19 @@ def as_float64(x, name: str, *, ndim: int | None = None, allow_nan: bool = True)
 
 
 def as_index(x, name: str, *, ndim: int | None = None) -> torch.Tensor:
-    """An integer tensor of any integer dtype/device as an int64 CPU tensor (never mutated)."""
+    """An integer tensor of any signed integer dtype (or uint8/16/32) and any device as an int64
+    CPU tensor (never mutated). ``uint64`` is rejected with ``TypeError``: its values above
+    ``2**63 - 1`` have no int64 value (a conversion would wrap them to negative numbers, i.e.
+    silently to "no selection", where contract section 6 makes every id outside ``[0, S)``
+    invalid by its value)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got dtype {x.dtype}")
+    if x.dtype == torch.uint64:
+        raise TypeError(f"{name} must be a signed integer tensor (int32 or int64), got dtype "
+                        "torch.uint64 (values above 2**63 - 1 would wrap)")
+    _no_meta(x, name)
     if ndim is not None and x.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
     return x.to(device=CPU, dtype=torch.int64)
@@ -63,6 +77,15 @@ def as_real(x, name: str, *, positive: bool = False, finite: bool = True) -> flo
     if positive and not x > 0:
         raise ValueError(f"{name} must be > 0, got {x}")
     return x
+
+
+def head_dim(x: torch.Tensor, name: str) -> int:
+    """The size of the last (head) dimension of ``x``, which must be >= 1 (the default scale
+    ``D**-0.5`` and every dot product need one)."""
+    d = x.shape[-1]
+    if d < 1:
+        raise ValueError(f"{name} must have a head dimension >= 1, got shape {tuple(x.shape)}")
+    return d
 
 
 def check_dim(x: torch.Tensor, name: str, axis: int, size: int, what: str) -> None:

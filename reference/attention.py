@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ._checks import as_float64, as_index, as_int, as_real, check_dim
+from ._checks import as_float64, as_index, as_int, as_real, check_dim, head_dim
 from ._checks import chunk_rows as rows_per_chunk
 from ._pointwise import logaddexp, sigmoid
 from ._reduce import (_round_up, carve, fold_slot_rows_into, ordered_sum, row_bmm,
@@ -43,6 +43,7 @@ def _inputs(q, kv, ids, sink, scale, v_dim, lengths):
     ids = as_index(ids, "ids", ndim=2)
     sink = as_float64(sink, "sink", ndim=1, allow_nan=False)
     T, H, D = q.shape
+    head_dim(q, "q")
     check_dim(kv, "kv", 1, D, "q head dim D")
     check_dim(ids, "ids", 0, T, "q rows T")
     check_dim(sink, "sink", 0, H, "q heads H")
@@ -184,7 +185,7 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
     T, H, D = q.shape
     S, K = kv.shape[0], ids.shape[1]
     out = as_float64(out, "out", ndim=3)
-    lse = as_float64(lse, "lse", ndim=2)
+    lse = as_float64(lse, "lse", ndim=2, allow_nan=False)   # P = exp(s - LSE'): NaN undefined
     dout = as_float64(dout, "dout", ndim=3)
     # The closed form is not differentiated (the gradchecks differentiate the forward).
     q, kv, sink, out, lse, dout = (t.detach() for t in (q, kv, sink, out, lse, dout))

@@ -24,9 +24,11 @@ unit roundoffs, so the oracle's own float64 error is accounted for by adding the
 roundoff to every unit (``y*`` is itself a float64 computation).
 
 The precision of an implementation is a :class:`Precision`: ``acc`` (accumulations, softmax
-statistics, products: float32 for bf16 kernels), ``io`` (operands rounded before tensor-core
-products -- P, dS -- and stored outputs such as ``out``, ``dq``, ``dkv``) and ``stats`` (stored
-float32 statistics: ``lse``, ``dsink``, indexer scores, target/predict, KL, loss).
+statistics, products: float32 for bf16 kernels), ``io`` (stored outputs such as ``out``, ``dq``,
+``dkv``, and exactly the intermediates that a 16-bit tensor-core product takes as an operand:
+``P``, ``dS``, ``relu(z)``; every other intermediate is ``acc``; the per-op table is in
+``docs/ERROR_MODEL.md``) and ``stats`` (stored float32 statistics: ``lse``, ``dsink``, indexer
+scores, target/predict, KL, loss).
 
 The derivation of every formula, per contract section, is in ``docs/ERROR_MODEL.md``.
 """
@@ -44,7 +46,7 @@ from .attention import _inputs as _attention_inputs
 from .attention import valid_slots
 from .indexer import _inputs as _indexer_inputs
 from .indexer_loss import (FLT_MIN, IndexerLoss, _loss_grad_inputs, _loss_grad_options,
-                           _loss_inputs)
+                           _loss_inputs, head_normalisers, teacher_rows)
 from .layout import PackedLayout
 
 __all__ = [
@@ -76,8 +78,10 @@ class Precision:
     """Working precisions of an implementation (section 12).
 
     ``acc``: accumulation/statistics precision, multiplied by reduction lengths (float32 for
-    bf16 kernels). ``io``: storage precision of rounded intermediates and outputs, applied
-    once per stored rounding (bf16). ``stats``: storage precision of float32 statistics and
+    bf16 kernels); every intermediate not listed under ``io`` is assumed in ``acc``. ``io``:
+    storage precision of the outputs and of the operands a 16-bit tensor-core product consumes
+    (``P`` of the attention forward and backward, ``dS`` of the attention and indexer
+    backwards, ``relu(z)`` of the indexer), each rounded once (bf16). ``stats``: storage precision of float32 statistics and
     fp32 outputs (``lse``, ``dsink``, scores, target/predict, KL, loss); defaults to ``acc``.
     """
 
@@ -158,18 +162,20 @@ def _same_shape(t: torch.Tensor, name: str, shape) -> None:
 # Section 6: sparse attention with a sink
 # ---------------------------------------------------------------------------------------------
 
-def _rows_or_zeros(table: torch.Tensor) -> torch.Tensor:
-    """``table``, or one zero row when it has none (no key rows, or no compressed group: C = 0).
-    Every slot is invalid then, so the zero row is only the safe target of masked gathers (the
-    oracle's own convention, :mod:`reference.indexer_loss`)."""
-    return table if table.shape[0] else table.new_zeros((1,) + tuple(table.shape[1:]))
+def _gather_valid(table: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``table[ids]`` as ``[n, K, D]`` where ``valid``, exact zeros elsewhere: invalid slots
+    gather an appended zero row (the oracle's convention), so an unselected row of ``table``
+    (even a NaN row, e.g. row 0 that ``-1`` slots would clamp to) never reaches a bound."""
+    n, K = ids.shape
+    z = torch.cat([table, table.new_zeros((1,) + tuple(table.shape[1:]))])
+    rows = torch.where(valid, ids, torch.full_like(ids, table.shape[0]))
+    return z.index_select(0, rows.reshape(-1)).view(n, K, table.shape[1])
 
 
 def _gathered(q, kv, ids, valid, r0, r1, scale):
     """Per chunk: gathered keys, masked logits, masked magnitudes ``a = |scale| |q|.|k|``."""
     n, K, D = r1 - r0, ids.shape[1], kv.shape[1]
-    safe = torch.where(valid[r0:r1], ids[r0:r1], torch.zeros_like(ids[r0:r1]))
-    kg = _rows_or_zeros(kv).index_select(0, safe.reshape(-1)).view(n, K, D)
+    kg = _gather_valid(kv, ids[r0:r1], valid[r0:r1])
     v = valid[r0:r1].unsqueeze(1)
     s = (scale * torch.bmm(q[r0:r1], kg.transpose(1, 2))).masked_fill(~v, -INF)
     a = (abs(scale) * torch.bmm(q[r0:r1].abs(), kg.abs().transpose(1, 2))).masked_fill(~v, 0.0)
@@ -400,11 +406,20 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
     (the oracle's :func:`sparse_indexer_loss` on the same inputs; ``lse`` and ``index_scores``
     are the values the implementation consumed).
 
-    Teacher: ``A_hc = exp(s_hc - LSEf_h)`` with relative error
-    ``rA = u_a ((D+3) a_hc + 3 |LSEf_h| + 6)`` and underflow ``eta_a``; ``num_c = sum_h A``
-    (``+ H u_a num_c``), ``Z = sum_c num_c`` (``+ n u_a Z``);
+    Teacher, in the stable form of section 8 (:func:`reference.indexer_loss.head_normalisers`:
+    ``norm_h = (LSEf_h - m) + r``, ``m`` the row's smallest finite ``LSEf``, ``r`` a per-row
+    constant that cancels): ``A_hc = exp(s_hc - norm_h)`` with relative error
+    ``rA = u_a ((D+3) a_hc + |LSEf_h - m| + 3 |norm_h| + 6) + E_LSEf_h`` and underflow
+    ``eta_a``, where ``E_LSEf = u_a (sigma |d| + 4) + min(u_a |LSEf|, l)`` is the error of
+    ``LSEf = max(lse, sink) + l`` (``d = lse - sink``, ``l = log1p(exp(-|d|))``,
+    ``sigma = sigmoid(-|d|)``): at ``sink = 2.4e38`` the addition is exact up to ``l ~ 0``, so
+    the bound stays as tight as at ordinary sinks. The errors of ``m`` and ``r`` shift every head
+    of a row alike and cancel in ``tau``. Silenced heads (``LSEf = +inf``) contribute exactly 0.
+    ``num_c = sum_h A`` (``+ H u_a num_c``), ``Z = sum_c num_c`` (``+ n u_a Z``);
     ``bound_target = (E_num_c + tau_c E_Z) / Z + (u_a + u_s) tau_c + eta_s`` (at most 1).
-    Student: ``bound_predict = rel_p p + eta_a + eta_s``, ``rel_p`` from the softmax (see
+    Rows without teacher mass: target and KL bounds 0 (exact zeros).
+    Student (every selected slot of a real row, with or without teacher mass):
+    ``bound_predict = rel_p p + eta_a + eta_s``, ``rel_p`` from the softmax (see
     ``_softmax_rel``) plus ``u_s``. KL (``tau_ = max(tau, f)``, ``p_ = max(p, f)``,
     ``L = log tau_ - log p_``): ``sum_c |L + 1| E_tau + (tau_/p_) E_p + u_a tau_ (|log tau_| +
     |log p_| + 2 |L| + 4) + n u_a sum_c tau_ |L| + u_s |KL| + eta_s``. Loss:
@@ -431,7 +446,17 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
 
     valid = (ids >= 0) & (ids < C) & layout.is_real.unsqueeze(1)
     safe = torch.where(valid, ids, torch.zeros_like(ids))
-    full = torch.logaddexp(lse, sink.unsqueeze(0))
+    full = torch.logaddexp(lse, sink.unsqueeze(0))                           # LSEf [T, H]
+    norm, has_mass = head_normalisers(lse, sink)                             # LSEf + const
+    fin = torch.isfinite(norm)
+    m = torch.where(fin, full, torch.full_like(full, INF)).amin(dim=1, keepdim=True)
+    off = _finite_or_zero(full - torch.where(has_mass.unsqueeze(1), m, torch.zeros_like(m)))
+    # error of LSEf[h] = max(lse, sink) + l, l = log1p(exp(-|d|)), d = lse - sink: the rounded
+    # |d| moves l by sigma |d| u, and the final addition errs by at most min(u |LSEf|, l) (the
+    # nearest float to max + l is no farther than max itself)
+    d = _finite_or_zero((lse - sink.unsqueeze(0)).abs())
+    ell = torch.log1p(torch.exp(-d))
+    e_full = u.a * (torch.sigmoid(-d) * d + 4) + torch.minimum(u.a * _finite_or_zero(full).abs(), ell)
     scores_z = scores if C else scores.new_zeros((T, 1))    # C = 0: every slot is invalid
     b_tau = torch.zeros((T, Kc), dtype=F64)
     b_p = torch.zeros((T, Kc), dtype=F64)
@@ -440,17 +465,18 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
     for r0 in range(0, T, step):
         r1 = min(r0 + step, T)
         n = r1 - r0
-        f = full[r0:r1]
-        mv = valid[r0:r1] & torch.isfinite(f).all(dim=1, keepdim=True)       # rows with mass
-        mv3 = mv.unsqueeze(1)
+        sel = valid[r0:r1]                                                    # selected slots
+        mv = sel & has_mass[r0:r1].unsqueeze(1)                               # ... with mass
+        hv = (mv.unsqueeze(1) & fin[r0:r1].unsqueeze(-1))                     # [n, H, Kc]
         nv = mv.sum(dim=1, keepdim=True).to(F64)
-        kg = _rows_or_zeros(kc).index_select(0, safe[r0:r1].reshape(-1)).view(n, Kc, D)
+        kg = _gather_valid(kc, ids[r0:r1], valid[r0:r1])
         s = scale * torch.bmm(q[r0:r1], kg.transpose(1, 2))                  # [n, H, Kc]
         a = abs(scale) * torch.bmm(q[r0:r1].abs(), kg.abs().transpose(1, 2))
-        f0 = _finite_or_zero(f).unsqueeze(-1)
-        A = torch.exp(s - f0).masked_fill(~mv3, 0.0)
-        rA = u.a * ((D + 3) * a + 3 * f0.abs() + 6)
-        errA = torch.where(mv3, rA * A + u.ea, torch.zeros_like(A))
+        nrm = _finite_or_zero(norm[r0:r1]).unsqueeze(-1)
+        A = torch.exp(s - nrm).masked_fill(~hv, 0.0)
+        rA = u.a * ((D + 3) * a + off[r0:r1].unsqueeze(-1) + 3 * nrm.abs() + 6) \
+            + e_full[r0:r1].unsqueeze(-1)
+        errA = torch.where(hv, rA * A + u.ea, torch.zeros_like(A))
         num = A.sum(dim=1)                                                    # [n, Kc]
         err_num = errA.sum(dim=1) + u.a * H * num
         Z = num.sum(dim=1, keepdim=True)
@@ -462,7 +488,7 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
         e_tau = torch.where(mv, e_tau, torch.zeros_like(e_tau))
         p = p_all[r0:r1]
         logits = torch.gather(scores_z[r0:r1], 1, safe[r0:r1])
-        e_p = torch.where(mv, (_softmax_rel(logits, mv, u) + u.s) * p + u.ea + u.es,
+        e_p = torch.where(sel, (_softmax_rel(logits, sel, u) + u.s) * p + u.ea + u.es,
                           torch.zeros_like(p))
         tb, pb = tau.clamp_min(floor), p.clamp_min(floor)
         lt, lp = torch.log(tb), torch.log(pb)
@@ -516,6 +542,7 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
     sc = abs(scale)
     gs = abs(coeff / n_real * grad_loss)
     valid = (ids >= 0) & (ids < C)
+    valid = valid & teacher_rows(tau, valid)   # rows without teacher mass: exact zero gradients
     b_dq = torch.zeros_like(dq)
     b_dw = torch.zeros_like(dw_)
     err_k = torch.zeros_like(dk)
@@ -527,8 +554,7 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
         n = r1 - r0
         v = valid[r0:r1]
         nv = v.sum(dim=1, keepdim=True).to(F64)                               # [n, 1]
-        safe = torch.where(v, ids[r0:r1], torch.zeros_like(ids[r0:r1]))
-        kg = _rows_or_zeros(k).index_select(0, safe.reshape(-1)).view(n, Kc, DI)
+        kg = _gather_valid(k, ids[r0:r1], v)
         qc, wc = q[r0:r1], w[r0:r1]
         z = torch.bmm(qc, kg.transpose(1, 2))                                # [n, H_I, Kc]
         zeta = torch.bmm(qc.abs(), kg.abs().transpose(1, 2))

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from ._checks import as_float64, as_int, as_real, check_dim
+from ._checks import as_float64, as_int, as_real, check_dim, head_dim
 from ._checks import chunk_rows as rows_per_chunk
 from ._reduce import _aligned_batch, _round_up, row_bmm, row_bmm_buffer
 from .layout import PackedLayout
@@ -24,6 +24,7 @@ def _inputs(q_idx, k_idx, weights, layout, ratio, scale):
     k = as_float64(k_idx, "k_idx", ndim=2)
     w = as_float64(weights, "weights", ndim=2)
     T, HI, DI = q.shape
+    head_dim(q, "q_idx")
     check_dim(q, "q_idx", 0, layout.num_rows, "layout.num_rows")
     check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
     C = layout.num_compressed(ratio)

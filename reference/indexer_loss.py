@@ -6,14 +6,14 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import as_float64, as_index, as_int, as_real, check_dim, choice
+from ._checks import as_float64, as_index, as_int, as_real, check_dim, choice, head_dim
 from ._checks import chunk_rows as rows_per_chunk
 from ._pointwise import logaddexp
 from ._reduce import (_round_up, carve, fold_slot_rows_into, ordered_sum, row_bmm,
                       row_bmm_buffer, row_extents, row_runs)
 from .layout import PackedLayout
 
-__all__ = ["IndexerLoss", "sparse_indexer_loss", "sparse_indexer_loss_grad"]
+__all__ = ["IndexerLoss", "head_normalisers", "sparse_indexer_loss", "sparse_indexer_loss_grad"]
 
 INF = math.inf
 FLT_MIN = 2.0 ** -126
@@ -46,6 +46,31 @@ def _masked_softmax(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return e / torch.where(z > 0, z, torch.ones_like(z))
 
 
+def head_normalisers(lse: torch.Tensor, sink: torch.Tensor):
+    """Section 8: each row's per-head teacher normalisers ``LSEf[t,h] = logaddexp(lse, sink)``
+    shifted by one per-row constant, ``(norm [T,H], has_mass [T])``. The teacher depends only
+    on ``s`` and on the differences ``LSEf[t,h] - LSEf[t,h']`` (the constant cancels in the
+    normalisation), so ``log A[t,h,c] = s[t,h,c] - norm[t,h]`` gives the same ``tau``.
+
+    ``norm = (LSEf - m) + r`` with ``m = min_h LSEf`` over the row's finite heads (the
+    differences are exact even at ``sink = 2.4e38``, where ``s - LSEf`` would absorb ``s``) and
+    ``r = max_h (lse - (LSEf - m))`` (then ``norm >= lse`` on every head, with equality on one:
+    ``exp(s - norm)`` stays at most about 1 and as large as the inputs allow, for linear-domain
+    kernels). Silenced heads (``LSEf = +inf``) get ``norm = +inf`` (``A = 0``); ``has_mass`` is
+    False on rows whose every head is silenced (teacher mass exactly zero). Works in the dtype
+    of ``lse`` (shared with the error model and, in float32, with the backends' teacher).
+    ``lse`` must not hold ``-inf`` (callers reject it)."""
+    full = logaddexp(lse, sink.unsqueeze(0))
+    fin = torch.isfinite(full)
+    has = fin.any(dim=1, keepdim=True)
+    zero = torch.zeros_like(full[:, :1])
+    m = torch.where(fin, full, torch.full_like(full, INF)).amin(dim=1, keepdim=True)
+    off = full - torch.where(has, m, zero)
+    r = torch.where(fin, lse - off, torch.full_like(full, -INF)).amax(dim=1, keepdim=True)
+    norm = torch.where(fin, off + torch.where(has, r, zero), torch.full_like(full, INF))
+    return norm, has.squeeze(1)
+
+
 def _kl(tau, p, mask, floor):
     a = torch.clamp_min(tau, floor)
     terms = a * (torch.log(a) - torch.log(torch.clamp_min(p, floor)))
@@ -65,6 +90,7 @@ def _loss_inputs(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, coe
     scores = as_float64(index_scores, "index_scores", ndim=2, allow_nan=False)
     T, H, D = q.shape
     C = kc.shape[0]
+    head_dim(q, "q")
     check_dim(q, "q", 0, layout.num_rows, "layout.num_rows")
     check_dim(kc, "kv_cmp", 1, D, "q head dim D")
     check_dim(sink, "sink", 0, H, "q heads H")
@@ -79,6 +105,16 @@ def _loss_inputs(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, coe
     n_real = layout.num_real if num_real is None else as_int(num_real, "num_real", minimum=1)
     if n_real < 1:
         raise ValueError("num_real: the layout has no real tokens; N must be >= 1")
+    if bool((lse == -INF).any()):
+        raise ValueError("lse contains -inf; a KV-only lse (section 6) is the log of a positive "
+                         "sum, or +inf on a row without keys")
+    selected = _slot_mask(ids, C) & layout.is_real.unsqueeze(1)
+    sc = scores if C else scores.new_zeros((T, 1))
+    picked = torch.gather(sc, 1, torch.where(selected, ids, torch.zeros_like(ids)))
+    if bool((selected & (picked == INF)).any()):
+        t, j = torch.nonzero(selected & (picked == INF))[0].tolist()
+        raise ValueError(f"index_scores is +inf at a selected slot (row {t}, compressed id "
+                         f"{int(ids[t, j])}); the student softmax is undefined there (section 8)")
     return q, kc, sink, lse, ids, scores, coeff, scale, floor, n_real
 
 
@@ -89,11 +125,17 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
     ``q [T,H,D]`` and ``lse [T,H]`` (KV-only, natural log, from the attention forward over all
     of a row's keys), ``kv_cmp [C,D]`` compressed keys, ``sink [H]``, ``compressed_ids [T,Kc]``
     indexing ``kv_cmp`` and the columns of ``index_scores [T,C]`` (negative or ``>= C`` =
-    invalid slot). The teacher is computed in log space,
-    ``log tau[c] = LSE_h(s[h,c] - LSEf[h]) - LSE_{h,c'}(s[h,c'] - LSEf[h])``, so that it
-    never underflows; a row whose teacher mass is exactly zero (``LSEf = +inf``, e.g. a
-    ``+inf`` sink) counts like a row with no selection. Padding rows count 0; ``N`` defaults
-    to ``layout.num_real``. The row sum is a left fold in row order.
+    invalid slot). The teacher is computed in log space with per-head offsets,
+    ``log tau[c] = LSE_h(s[h,c] - norm[h]) - LSE_{h,c'}(s[h,c'] - norm[h])`` with ``norm`` of
+    :func:`head_normalisers` (``LSEf`` up to a per-row constant), so that it never underflows
+    and huge finite sinks are exact. Heads are silenced one by one: a head with
+    ``LSEf = +inf`` (a ``+inf`` sink) has ``A = 0`` and the other heads carry the teacher; a
+    row whose every head is silenced has teacher mass zero: ``tau = 0``, ``KL = 0``, and its
+    ``predict`` is the student softmax as on any other row. Padding rows count 0; ``N``
+    defaults to ``layout.num_real``. The row sum is a left fold in row order.
+
+    Raises ``ValueError`` for NaN in ``sink``, ``lse`` or ``index_scores``, ``-inf`` in ``lse``
+    and ``+inf`` index scores at selected slots (the student is undefined there).
     """
     # The teacher is detached (section 8): no gradient reaches q, kv_cmp, the sink or lse.
     q, kc, sink, lse, ids, scores, coeff, scale, floor, n_real = _loss_inputs(
@@ -105,7 +147,7 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
 
     valid = _slot_mask(ids, C) & layout.is_real.unsqueeze(1)
     safe = torch.where(valid, ids, torch.zeros_like(ids))
-    full = logaddexp(lse, sink.unsqueeze(0))                             # LSEf [T, H]
+    lsef, has_mass = head_normalisers(lse, sink)                         # LSEf + const [T, H]
     target = torch.zeros((T, Kc), dtype=torch.float64)
     # The teacher is detached: per row over its own slot extent (a multiple of 64 covering its
     # last valid slot, so its bits never depend on the caller's width or on other rows), in work
@@ -119,14 +161,14 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
     m_rows = min(step, T)
     kg_buf = torch.empty(m_rows * width * D, dtype=torch.float64)
     a_mm, a_buf = (torch.empty(m_rows * H * width, dtype=torch.float64) for _ in range(2))
-    lsef_finite = torch.isfinite(full).all(dim=1, keepdim=True)           # rows with teacher mass
+    row_mass = has_mass.unsqueeze(1)                                      # rows with teacher mass
     for r0, r1, w in row_runs(row_extents(vpad, SLOT_MULTIPLE), step):
         n = r1 - r0
-        massive = vpad[r0:r1, :w] & lsef_finite[r0:r1]
+        massive = vpad[r0:r1, :w] & row_mass[r0:r1]
         kg = torch.index_select(table, 0, rows[r0:r1, :w].reshape(-1),
                                 out=carve(kg_buf, n * w, D)).view(n, w, D)
         log_a = torch.mul(row_bmm(q[r0:r1], kg.transpose(1, 2), out=carve(a_mm, n, H, w)),
-                          scale, out=carve(a_buf, n, H, w)).sub_(full[r0:r1].unsqueeze(-1))
+                          scale, out=carve(a_buf, n, H, w)).sub_(lsef[r0:r1].unsqueeze(-1))
         log_a.masked_fill_(~massive.unsqueeze(1), -INF)                  # [n, H, w]
         per_c = torch.logsumexp(log_a, dim=1)                              # [n, w]
         norm = torch.logsumexp(per_c, dim=1, keepdim=True)
@@ -134,10 +176,10 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
         tau = torch.where(massive, torch.exp(per_c - norm), torch.zeros_like(per_c))
         target[r0:r1, : min(w, Kc)] = tau[:, :Kc]
     # The student (differentiable wrt index_scores) and the KL, per row over the Kc slots.
-    massive = valid & lsef_finite
+    # The student is the softmax over every selected slot, with or without teacher mass.
     sc = scores if C else scores.new_zeros((T, 1))  # C = 0: every slot is invalid
-    predict = _masked_softmax(torch.gather(sc, 1, safe), massive)
-    kl = _kl(target, predict, massive, floor)
+    predict = _masked_softmax(torch.gather(sc, 1, safe), valid)
+    kl = _kl(target, predict, valid & row_mass, floor)
     loss = coeff * ordered_sum(kl) / n_real
     return IndexerLoss(loss, kl, target, predict, n_real)
 
@@ -165,6 +207,7 @@ def _loss_grad_inputs(q_idx, k_idx, weights, compressed_ids, target, predict):
     p_in = as_float64(predict, "predict", ndim=2, allow_nan=False)
     T, HI, DI = q.shape
     Kc = ids.shape[1]
+    head_dim(q, "q_idx")
     check_dim(k, "k_idx", 1, DI, "q_idx head dim D_I")
     check_dim(w, "weights", 0, T, "rows T")
     check_dim(w, "weights", 1, HI, "indexer heads H_I")
@@ -172,7 +215,17 @@ def _loss_grad_inputs(q_idx, k_idx, weights, compressed_ids, target, predict):
     for name, t in (("target", tau), ("predict", p_in)):
         if tuple(t.shape) != (T, Kc):
             raise ValueError(f"{name} must have shape {(T, Kc)} like compressed_ids, got {tuple(t.shape)}")
+        if bool((t < 0).any()):
+            raise ValueError(f"{name} holds a negative value ({float(t.min())}); it is a "
+                             "probability distribution over the selected slots (section 8)")
     return q, k, w, ids, tau, p_in
+
+
+def teacher_rows(target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Section 8: rows whose teacher carries mass, ``[T, 1]``: a row whose ``target`` is 0 on
+    every valid slot is a row with teacher mass zero (every head silenced), which gets zero
+    gradients in both gradient forms (shared with the section 12 bound)."""
+    return (valid & (target > 0)).any(dim=1, keepdim=True)
 
 
 def _loss_grad_options(coeff, num_real, grad_loss, scale, grad_floor, loss_floor, mode, DI):
@@ -200,7 +253,9 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
     :func:`sparse_indexer_loss` (floor ``loss_floor``), by torch autograd through the indexer
     logits recomputed from ``q_idx``, ``k_idx`` and ``weights`` (``predict`` is not used).
     Both chain through the indexer with the strict gate ``z > 0``; ``dk_idx`` is a left fold in
-    (row, slot) order.
+    (row, slot) order. A row whose ``target`` is 0 on every valid slot (teacher mass zero:
+    every head silenced) gets zero gradients. ``target`` and ``predict`` must be >= 0 (else
+    ``ValueError``).
     """
     q, k, w, ids, tau, p_in = _loss_grad_inputs(q_idx, k_idx, weights, compressed_ids, target,
                                                 predict)
@@ -209,6 +264,7 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
     coeff, n_real, grad_loss, scale, e, floor, mode = _loss_grad_options(
         coeff, num_real, grad_loss, scale, grad_floor, loss_floor, mode, DI)
     valid = _slot_mask(ids, C)
+    valid = valid & teacher_rows(tau, valid)         # rows without teacher mass: no gradient
     gs = coeff / n_real * grad_loss
 
     if mode == "autograd":
