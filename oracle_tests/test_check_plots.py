@@ -32,7 +32,8 @@ from dsv4_oracle.runner import CaseOutcome, RunResult
 # synthetic run results
 # ---------------------------------------------------------------------------------------------
 def _case(cid):
-    return SimpleNamespace(id=cid, categories=("synthetic",), to_dict=lambda: {"id": cid})
+    return SimpleNamespace(id=cid, categories=("synthetic",), dtype="bfloat16",
+                           to_dict=lambda: {"id": cid})
 
 
 def num(q, ratio, level="op"):
@@ -55,7 +56,8 @@ def outcome(cid, checks=(), error=None, maps=None):
 
 
 def result(*outcomes):
-    adapter = SimpleNamespace(spec="synthetic", name="synthetic", device="cpu")
+    adapter = SimpleNamespace(spec="synthetic", name="synthetic", device="cpu",
+                              precision_source="default")
     return RunResult(adapter, "quick", (), 2, list(outcomes), "2026-01-01T00:00:00Z", 1.0,
                      ("sparse_attention_forward",))
 
