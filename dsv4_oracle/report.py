@@ -422,9 +422,12 @@ def format_case(outcome, adapter=None) -> str:
     checks = sorted(outcome.checks, key=lambda ch: order[ch.status])   # stable: pipeline order
     label = {"failed": "FAIL", "not_judged": "not judged", "passed": "ok"}
     rows = [[label[ch.status], c.id, ch.extra.get("level", "op"), ch.extra.get("quantity", "run"),
-             ch.name, fmt_ratio(ch.ratio), ch.detail] for ch in checks]
-    if rows:
-        out += _table(["", "case", "level", "quantity", "check", "ratio", "detail"], rows)
+             ch.name, fmt_ratio(ch.ratio)] for ch in checks]
+    if rows:                            # the detail last, unpadded: it is often a sentence
+        table = _table(["", "case", "level", "quantity", "check", "ratio"], rows)
+        width = len(table[1])
+        out += [f"{table[0].ljust(width)}  detail", f"{table[1]}  ------"]
+        out += [f"{line.ljust(width)}  {ch.detail}" for line, ch in zip(table[2:], checks)]
     out.append("(ratio = max |implementation - oracle| / bound of the error model, contract "
                "section 12; <= 1 passes; '-' = an exact check)")
     return "\n".join(out)
