@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_selfcheck)
     from .check import add_parser as add_check_parser
     add_check_parser(sub)
+    from .init_adapter import add_parser as add_init_adapter_parser
+    add_init_adapter_parser(sub)
     return parser
 
 

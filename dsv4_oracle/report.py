@@ -28,7 +28,8 @@ from .conformance import BACKWARD_CONVENTIONS, QUANTITIES
 from .runner import LEVELS, RunResult
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "quantity_rows", "report_dict", "validate_report",
-           "format_summary", "write_report", "write_junit", "fmt_ratio", "backward_conventions"]
+           "format_summary", "format_case", "write_report", "write_junit", "fmt_ratio",
+           "backward_conventions"]
 
 SCHEMA = "dsv4-oracle/check-report"
 # 2: every check has a status (passed / failed / not_judged); the summary counts checks not
@@ -406,6 +407,35 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
                           f"{len(result.outcomes)} cases ({result.elapsed_s:.1f} s){nj}", "red",
                           color))
     return "\n".join(out) + p_flag      # the verdict line notes widened bounds
+
+
+def format_case(outcome, adapter=None) -> str:
+    """One case's checks as a table (failed first, then not judged, then passed): status,
+    level, quantity, check, ratio and detail; the message of
+    :func:`dsv4_oracle.pytest_plugin.assert_conforms`."""
+    c = outcome.case
+    who = f"{adapter.spec} on {adapter.device}: " if adapter is not None else ""
+    n = len(outcome.checks)
+    n_failed = len(outcome.failed_checks)
+    n_nj = sum(not ch.judged for ch in outcome.checks)
+    head = (f"dsv4-oracle: {who}case {c.id}: {n_failed} of {n} checks failed"
+            + (f", {n_nj} not judged" if n_nj else ""))
+    out = [head]
+    if outcome.error:
+        out.append(f"ERROR {c.id}: {outcome.error}")
+    order = {"failed": 0, "not_judged": 1, "passed": 2}
+    checks = sorted(outcome.checks, key=lambda ch: order[ch.status])   # stable: pipeline order
+    label = {"failed": "FAIL", "not_judged": "not judged", "passed": "ok"}
+    rows = [[label[ch.status], c.id, ch.extra.get("level", "op"), ch.extra.get("quantity", "run"),
+             ch.name, fmt_ratio(ch.ratio)] for ch in checks]
+    if rows:                            # the detail last, unpadded: it is often a sentence
+        table = _table(["", "case", "level", "quantity", "check", "ratio"], rows)
+        width = len(table[1])
+        out += [f"{table[0].ljust(width)}  detail", f"{table[1]}  ------"]
+        out += [f"{line.ljust(width)}  {ch.detail}" for line, ch in zip(table[2:], checks)]
+    out.append("(ratio = max |implementation - oracle| / bound of the error model, contract "
+               "section 12; <= 1 passes; '-' = an exact check)")
+    return "\n".join(out)
 
 
 # ---------------------------------------------------------------------------------------------

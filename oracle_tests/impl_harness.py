@@ -12,7 +12,8 @@ engine that ``dsv4-oracle check`` runs too (one piece of code for the suite and 
 this module adds only what is pytest-specific (the parametrized implementations).
 
 Implementations: the torch backend on the CPU (the CI lane), the torch and cuDNN backends on
-CUDA (the GPU lane; marked ``gpu`` / ``cudnn`` so that conftest skips them without hardware).
+CUDA (the GPU lane; marked ``gpu`` / ``cudnn`` so that the pytest plugin skips them without
+hardware).
 """
 from __future__ import annotations
 

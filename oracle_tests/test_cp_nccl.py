@@ -1,6 +1,6 @@
 """The CP layer on two GPUs over NCCL, cp = 2, ``backend="auto"`` (cuDNN where its kernels
 run the op, the torch backend for the rest; every result records which backend ran each op).
-Marked ``multigpu`` + ``gpu`` (conftest skips it without two CUDA devices). Run it as::
+Marked ``multigpu`` + ``gpu`` (the pytest plugin skips it without two CUDA devices). Run it as::
 
     NCCL_NVLS_ENABLE=0 pytest -m multigpu oracle_tests/test_cp_nccl.py
 
