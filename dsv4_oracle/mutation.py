@@ -150,6 +150,9 @@ MUTANTS: tuple[Mutant, ...] = (
        "document instead of the real one)",
        (TB, "for s0 in range(r0, r0 + real[b], step):\n            s1 = min(s0 + step, r0 + real[b])",
         "for s0 in range(r0, cu_pad[b + 1], step):\n            s1 = min(s0 + step, cu_pad[b + 1])"),
+       (TB, "    vis = layout.visible_compressed(ratio).to(dev)\n    wf = w.to(F32) * scale\n",
+        "    vis = torch.minimum((layout.pos + 1) // ratio, layout.compressed_counts(ratio)["
+        "layout.doc.clamp_min(0)]).to(dev)\n    wf = w.to(F32) * scale\n"),
        first=["padding-edge-layout"]),
     _m("compressed-last", "key rows are [window part | compressed part] instead of "
        "compressed-first",
@@ -197,10 +200,10 @@ MUTANTS: tuple[Mutant, ...] = (
        (TB, "        ok &= torch.arange(ids.shape[1], device=ids.device).unsqueeze(0) < "
         "lengths.unsqueeze(1)\n", _DEDUP),
        first=["duplicate-ids"]),
-    _m("invalid-slots-gather-row-0", "invalid slots gather key row 0 and rely on the -inf mask "
-       "alone (0 * NaN leaks)",
+    _m("invalid-slots-gather-last-key", "invalid slots gather the last key row and rely on the "
+       "-inf mask alone (0 * NaN leaks)",
        (TB, "safe = torch.where(ok, ids, torch.full_like(ids, num_keys)).to(torch.int64)",
-        "safe = torch.where(ok, ids, torch.zeros_like(ids)).to(torch.int64)"),
+        "safe = torch.where(ok, ids, torch.full_like(ids, max(num_keys - 1, 0))).to(torch.int64)"),
        first=["nan-poison-hostile-ids", "nan-poison-layer"]),
     # -- section 6: forward ----------------------------------------------------------------------
     _m("lse-log2", "lse returned in log2 instead of the natural log",
@@ -303,7 +306,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "    dest, values = dest[perm], values[perm]\n"
         "    order = torch.argsort(dest, stable=True)\n"),
        (TB, "import contextlib\n", "import contextlib\nimport os\n"),
-       first=["padding-edge-layout"], replays=3),
+       first=["near-ties", "dtype-float64"], replays=3),
     # -- section 7: indexer --------------------------------------------------------------------
     _m("indexer-weights-unscaled", "indexer weights not multiplied by the indexer scale",
        (TB, "    wf = w.to(F32) * scale\n    for b in range(layout.num_docs):",
@@ -343,11 +346,11 @@ MUTANTS: tuple[Mutant, ...] = (
        first=["sink-mixed"], expect="survives",
        reason="this is the contract's rule (heads are silenced one by one); a checker whose "
               "oracle silences the whole row raises a false alarm on sink-mixed"),
-    _m("loss-floor-wrong", "loss clip floor 1e-3 instead of FLT_MIN",
-       (TB, "kl[r0:r1] = _kl(tau, p, massive, floor)", "kl[r0:r1] = _kl(tau, p, massive, 1e-3)"),
+    _m("loss-floor-wrong", "loss clip floor 1e-6 (a common eps) instead of FLT_MIN",
+       (TB, "kl[r0:r1] = _kl(tau, p, massive, floor)", "kl[r0:r1] = _kl(tau, p, massive, 1e-6)"),
        first=["padding-edge-layout"]),
-    _m("grad-floor-wrong", "gradient floor e = 1e-3 instead of exp(-100)",
-       (TB, "p, fl = p_in[r0:r1].to(F32), e", "p, fl = p_in[r0:r1].to(F32), 1e-3"),
+    _m("grad-floor-wrong", "gradient floor e = 1e-6 (a common eps) instead of exp(-100)",
+       (TB, "p, fl = p_in[r0:r1].to(F32), e", "p, fl = p_in[r0:r1].to(F32), 1e-6"),
        first=["padding-edge-layout"]),
     _m("grad-floor-mask-dropped", "the clipped gradient ignores the mask m_c = 1[p_c >= e]",
        (TB, "tm = torch.where(v & (p >= fl), torch.clamp_min(t32, fl), torch.zeros_like(t32))",
@@ -368,7 +371,7 @@ MUTANTS: tuple[Mutant, ...] = (
        "sink through the teacher",
        (LAYER, "        loss = _IndexerLoss.apply(q_idx, k_idx, weights, res.loss, res.target, "
         "res.predict,\n                                  cmp_ids, lcfg)\n", _TEACHER_ATTACHED),
-       first=["padding-edge-layout", "public-dev-csa-r4"]),
+       first=["dtype-float64"]),
     _m("layer-n-from-padded-rows", "the layer normalises the loss by the packed row count",
        (LAYER, "n_real = layout.num_real if num_real is None",
         "n_real = layout.num_rows if num_real is None"),
@@ -431,7 +434,7 @@ def _module(name: str, rel: str, source: str, package: str):
     mod = types.ModuleType(name)
     mod.__package__ = package
     mod.__file__ = str(ROOT / rel)
-    exec(compile(source, f"<{name}: {rel}>", "exec"), mod.__dict__)
+    exec(compile(source, f"{rel} [{name}]", "exec"), mod.__dict__)
     return mod
 
 
