@@ -21,6 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_selfcheck)
     from .check import add_parser as add_check_parser
     add_check_parser(sub)
+    from .mutation import add_parser as add_mutate_parser
+    from .power import add_parser as add_power_parser
+    add_mutate_parser(sub)
+    add_power_parser(sub)
     return parser
 
 
