@@ -13,7 +13,9 @@ classified first, with the one rule of :func:`dsv4_oracle.compare.ill_conditione
 
 - *non-finite*: ``expected`` is ``+-inf`` or NaN (checked exactly by position, not here);
 - *exact*: the bound is 0 (any error fails; e.g. ``out = 0`` on sink-only rows);
-- *ill-conditioned*: the bound reaches ``|expected|`` (not judged);
+- *ill-conditioned*: the bound reaches ``|expected|`` (not judged); the table also counts how
+  many of them are exact zeros (``expected == 0``: a relative threshold does not exist there;
+  most carry only the error model's underflow allowance as their bound);
 - *judged*: the rest, over which the minimum and the median threshold are reported.
 
 A check has *power* 1% on an element when its threshold is at most 0.01. The table's target is
@@ -49,6 +51,7 @@ class PowerRow:
     judged: int
     exact: int
     ill_conditioned: int
+    ill_zeros: int              # of the ill-conditioned: expected exactly 0
     nonfinite: int
     min_threshold: float | None
     median_threshold: float | None
@@ -78,7 +81,7 @@ def power_of(case_id: str, quantity: str, expected: torch.Tensor, bound: torch.T
     if thr.numel():
         stats = (float(thr.min()), float(thr.median()), float(thr.max()))
     return PowerRow(case_id, quantity, e.numel(), int(judged.sum()), int(exact.sum()),
-                    int(ill.sum()), int((~finite).sum()), *stats)
+                    int(ill.sum()), int((ill & (e == 0)).sum()), int((~finite).sum()), *stats)
 
 
 # quantities in pipeline order (the numeric outputs of fixtures.run_oracle)
@@ -113,14 +116,14 @@ def _pct(x) -> str:
 
 
 def format_table(rows, *, markdown: bool = False) -> str:
-    head = ("case", "quantity", "elements", "judged", "exact", "ill-cond.", "non-finite",
-            "min", "median")
+    head = ("case", "quantity", "elements", "judged", "exact", "ill-cond.", "of them 0",
+            "non-finite", "min", "median")
     def flag(r):
         if r.min_threshold is not None:
             return "" if r.min_threshold <= TARGET else "  <-- above 1%"
         return "  <-- nothing judged" if r.ill_conditioned else ""
     body = [(r.case, r.quantity, str(r.elements), str(r.judged), str(r.exact),
-             str(r.ill_conditioned), str(r.nonfinite), _pct(r.min_threshold),
+             str(r.ill_conditioned), str(r.ill_zeros), str(r.nonfinite), _pct(r.min_threshold),
              _pct(r.median_threshold) + flag(r)) for r in rows]
     if markdown:
         out = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
@@ -188,7 +191,7 @@ def main_power(args) -> int:
           f"{len(bad)} above the 1% target; {time.perf_counter() - t0:.0f} s")
     for r in bad:
         print(f"  {r.case} / {r.quantity}: min {_pct(r.min_threshold)}, "
-              f"{r.ill_conditioned} ill-conditioned of {r.elements}")
+              f"{r.ill_conditioned} ill-conditioned ({r.ill_zeros} zeros) of {r.elements}")
     try:
         if args.json:
             Path(args.json).write_text(json.dumps([r.to_dict() for r in rows], indent=1))

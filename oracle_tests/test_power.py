@@ -16,7 +16,8 @@ def test_classes_and_thresholds():
     expected = torch.tensor([2.0, -4.0, 0.0, 1.0, math.inf, 3.0])
     bound = torch.tensor([0.01, 0.02, 0.0, 1.5, 0.1, 0.0])
     r = P.power_of("c", "q", expected, bound)
-    assert (r.elements, r.judged, r.exact, r.ill_conditioned, r.nonfinite) == (6, 2, 2, 1, 1)
+    assert (r.elements, r.judged, r.exact, r.ill_conditioned, r.ill_zeros, r.nonfinite) == \
+        (6, 2, 2, 1, 0, 1)
     assert r.min_threshold == pytest.approx(0.005)
     assert r.max_threshold == pytest.approx(0.005)
     assert r.meets_target
@@ -24,7 +25,8 @@ def test_classes_and_thresholds():
 
 def test_a_bound_as_large_as_the_value_is_not_judged():
     r = P.power_of("c", "q", torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1e-9]))
-    assert r.judged == 0 and r.ill_conditioned == 2 and r.min_threshold is None
+    assert r.judged == 0 and r.ill_conditioned == 2 and r.ill_zeros == 1
+    assert r.min_threshold is None
     assert not r.meets_target
     assert P.exceptions([r]) == [r]
 
