@@ -616,35 +616,41 @@ def select_mutants(names=()) -> list:
 
 
 def run_mutation(mutants, *, quick: bool = False, lanes: bool = False, baseline: bool = True,
-                 progress=None) -> list:
+                 progress=None, on_result=None) -> list:
     """Every mutant of ``mutants`` (plus the unmutated backend first, when ``baseline``) over
     the quick catalog (``quick``: only each mutant's own likely killers). Lane mutants run
-    only with ``lanes``; otherwise they are reported with their lane and status ``"lane"``."""
+    only with ``lanes``; otherwise they are reported with their lane and status ``"lane"``.
+    ``on_result(result)`` is called as each mutant finishes."""
     from .runner import select_cases
 
     cases, _ = select_cases("quick")
     results = []
+
+    def add(r):
+        results.append(r)
+        if on_result:
+            on_result(r)
+
     if baseline:
-        results.append(run_mutant(None, cases, progress=progress))
+        add(run_mutant(None, cases, progress=progress))
     for m in mutants:
         if m.lane:
             if lanes:
-                results.append(run_lane_mutant(m))
+                add(run_lane_mutant(m))
             else:
                 try:
                     for rel in m.files:
                         mutant_source(m, rel)
-                    results.append(MutantResult(m, "lane", {"case": " ".join(m.lane),
-                                                             "level": "lane", "quantity": "-",
-                                                             "check": "-", "detail": ""}))
+                    add(MutantResult(m, "lane", {"case": " ".join(m.lane), "level": "lane",
+                                                 "quantity": "-", "check": "-", "detail": ""}))
                 except StaleMutant as exc:
-                    results.append(MutantResult(m, "stale", detail=str(exc)))
+                    add(MutantResult(m, "stale", detail=str(exc)))
             continue
         pool = cases
         if quick:
             want = set(m.first) or {cases[0].id}
             pool = [c for c in cases if c.id in want]
-        results.append(run_mutant(m, pool, progress=progress))
+        add(run_mutant(m, pool, progress=progress))
     return results
 
 
@@ -659,8 +665,9 @@ def _status(r: MutantResult) -> str:
     return r.status.upper()
 
 
-def format_table(results, *, markdown: bool = False) -> str:
-    """One line per mutant: name, status (killer case / level / quantity), expectation, time."""
+def format_table(results, *, markdown: bool = False, width: int | None = None) -> str:
+    """One line per mutant: name, status (killer case / level / quantity), expectation, time.
+    ``width``: the name column's width (default: the longest name in ``results``)."""
     rows = []
     for r in results:
         mark = "" if r.as_expected or r.status == "lane" else "  <-- UNEXPECTED"
@@ -678,7 +685,7 @@ def format_table(results, *, markdown: bool = False) -> str:
                       f"{r.killer['quantity']}")
             out.append(f"| `{name}` | {desc} | {st}{note}{mark} | {n} | {t:.1f} |")
         return "\n".join(out)
-    w = max(len(x[0]) for x in rows) if rows else 10
+    w = width or (max(len(x[0]) for x in rows) if rows else 10)
     out = []
     for name, desc, st, exp, n, t, mark, r in rows:
         out.append(f"{name:{w}s}  {st}{(' ' + exp) if exp else ''}  [{n} case(s), {t:.1f} s]"
@@ -733,12 +740,17 @@ def main_mutate(args) -> int:
         if sys.stderr.isatty():
             print(f"\r\033[K{m.name}: {case.id}", end="", file=sys.stderr, flush=True)
 
+    width = max(len(m.name) for m in mutants + [Mutant("unmutated", "", ())])
+
+    def on_result(r):
+        if sys.stderr.isatty():
+            print("\r\033[K", end="", file=sys.stderr)
+        print(format_table([r], width=width), flush=True)
+
     t0 = time.perf_counter()
     results = run_mutation(mutants, quick=args.quick, lanes=args.lanes,
-                           baseline=not args.no_baseline, progress=progress)
-    if sys.stderr.isatty():
-        print("\r\033[K", end="", file=sys.stderr)
-    print(format_table(results))
+                           baseline=not args.no_baseline, progress=progress,
+                           on_result=on_result)
     bad = [r for r in results if not r.as_expected and r.status != "lane"]
     stale = [r for r in results if r.status == "stale"]
     killed = sum(r.status == "killed" for r in results if r.mutant.expect == "killed")
