@@ -254,6 +254,15 @@ MUTANTS: tuple[Mutant, ...] = (
        expect="equivalent",
        reason="mathematically identical; it differs only where a logit exceeds ~88 (float32 "
               "exp overflow), and no catalog case has logits that large"),
+    _m("row-chunks-of-7", "every chunked op works in chunks of 7 rows instead of its memory "
+       "budget",
+       (TB, "    budget = _CHUNK_BUDGET.get(device.type, _CHUNK_BUDGET[\"cpu\"])\n"
+        "    return max(1, budget // max(1, per_row_bytes))",
+        "    return 7"),
+       first=["padding-edge-layout"], expect="equivalent",
+       reason="every per-row result is computed from that row alone, and the cross-row sums "
+              "(dkv, dk_idx) fold in a fixed order whatever the chunking: the bits may change, "
+              "the values stay within the bounds and every replay repeats them"),
     _m("p-unrounded", "P is not rounded to the operand dtype before P @ V",
        (TB, "out[r0:r1] = _mm(_operand(p, kv), kg[:, :, :dv])", "out[r0:r1] = _mm(p, kg[:, :, :dv])"),
        first=["padding-edge-layout"],
@@ -277,13 +286,11 @@ MUTANTS: tuple[Mutant, ...] = (
        (TB, "ds = _operand(p * (dp - delta.unsqueeze(-1)) * scale, kv)",
         "ds = _operand(p * (dp - delta.unsqueeze(-1)), kv)"),
        first=["padding-edge-layout"]),
-    _m("dsink-empty-rows-unmasked", "dsink does not mask rows with no valid slot",
+    _m("dsink-empty-rows-unmasked", "dsink does not mask rows with no valid slot (for a +inf "
+       "sink, sigmoid(sink - lse) = sigmoid(inf - inf) = NaN there)",
        (TB, "p_sink = torch.sigmoid(sink32.unsqueeze(0) - l).masked_fill(empty, 0.0)",
         "p_sink = torch.sigmoid(sink32.unsqueeze(0) - l)"),
-       first=["padding-edge-layout"],
-       expect="equivalent",
-       reason="a row with no valid slot has lse = +inf, so sigmoid(sink - lse) is already 0 "
-              "there (the mask is belt and braces)"),
+       first=["sink-mixed"]),
     _m("delta-recomputed", "Delta from the backward's own unrounded float32 out instead of "
        "the out it is handed (autograd style)",
        (TB, "delta = (dout[r0:r1].to(F32) * out[r0:r1].to(F32)).sum(dim=-1)       # [n, H]",
@@ -400,6 +407,10 @@ MUTANTS: tuple[Mutant, ...] = (
        lane=["oracle_tests/test_reference_cp.py::"
              "test_partition_is_an_exact_cover_of_the_documented_shape"]),
 )
+
+# the unmutated backend, run first: every kill is meaningful only if it survives
+BASELINE = Mutant("unmutated", "the backend as it is (baseline)", (), expect="survives",
+                  reason="the baseline")
 
 _BY_NAME = {m.name: m for m in MUTANTS}
 assert len(_BY_NAME) == len(MUTANTS), "mutant names must be unique"
@@ -535,8 +546,7 @@ def run_mutant(mutant: Mutant | None, cases, *, replays: int | None = None,
     :func:`case_order`, stopping at the first case with a failing check."""
     from .runner import check_case
 
-    m = mutant if mutant is not None else Mutant("unmutated", "the backend as it is", (),
-                                                 expect="survives")
+    m = mutant if mutant is not None else BASELINE
     t0 = time.perf_counter()
     try:
         adapter = build_adapter(mutant)
@@ -671,8 +681,9 @@ def format_table(results, *, markdown: bool = False, width: int | None = None) -
     rows = []
     for r in results:
         mark = "" if r.as_expected or r.status == "lane" else "  <-- UNEXPECTED"
-        exp = {"killed": "", "survives": "(allowed variant)", "equivalent": "(equivalent)"}[
-            r.mutant.expect]
+        exp = ("(baseline)" if r.mutant is BASELINE else
+               {"killed": "", "survives": "(allowed variant)", "equivalent": "(equivalent)"}[
+                   r.mutant.expect])
         rows.append((r.mutant.name, r.mutant.description, _status(r), exp, r.cases_run,
                      r.elapsed_s, mark, r))
     if markdown:
@@ -740,7 +751,7 @@ def main_mutate(args) -> int:
         if sys.stderr.isatty():
             print(f"\r\033[K{m.name}: {case.id}", end="", file=sys.stderr, flush=True)
 
-    width = max(len(m.name) for m in mutants + [Mutant("unmutated", "", ())])
+    width = max(len(m.name) for m in mutants + [BASELINE])
 
     def on_result(r):
         if sys.stderr.isatty():
