@@ -10,7 +10,7 @@ import pytest
 import fixtures
 from dsv4_oracle import mutation as M
 
-CASE = "padding-edge-layout"          # padding, empty documents, capacity and sink-only rows
+CASE = "empty-docs"        # small: empty documents, padding (sink-only) rows, a CSA layer
 
 # one mutant per stage of the pipeline, each killed by a different quantity on CASE
 FAST = {
