@@ -97,15 +97,16 @@ _BF16_PV = """        acc = torch.zeros((r1 - r0, H, dv), dtype=torch.bfloat16, 
         out[r0:r1] = acc.to(q.dtype)
 """
 
-_DEDUP = """        ok &= torch.arange(ids.shape[1], device=ids.device).unsqueeze(0) < lengths.unsqueeze(1)
-    same = (ids.unsqueeze(2) == ids.unsqueeze(1)) & ok.unsqueeze(1) & ok.unsqueeze(2)
+_LENGTH_MASK = ("        ok &= torch.arange(ids.shape[1], device=ids.device).unsqueeze(0) < "
+                "lengths.unsqueeze(1)\n")
+_DEDUP = _LENGTH_MASK + """    same = (ids.unsqueeze(2) == ids.unsqueeze(1)) & ok.unsqueeze(1) & ok.unsqueeze(2)
     earlier = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril(-1)
     ok = ok & ~(same & earlier).any(dim=2)          # a repeated id counts once
 """
 
-_TEACHER_ATTACHED = """        loss = _IndexerLoss.apply(q_idx, k_idx, weights, res.loss, res.target, res.predict,
-                                  cmp_ids, lcfg)
-        # the teacher recomputed with autograd on the attached q, kv_cmp and sink
+_LAYER_LOSS = ("        loss = _IndexerLoss.apply(q_idx, k_idx, weights, res.loss, res.target, "
+               "res.predict,\n                                  cmp_ids, lcfg)\n")
+_TEACHER_ATTACHED = _LAYER_LOSS + """        # the teacher recomputed with autograd on the attached q, kv_cmp and sink
         sel = (cmp_ids >= 0) & layout.is_real.to(dev).unsqueeze(1)
         kvc = kv_cmp[cmp_ids.clamp_min(0).long()].float()                      # [T, K, D]
         s_t = torch.einsum("thd,tkd->thk", q.float(), kvc) * (
@@ -122,11 +123,16 @@ _TEACHER_ATTACHED = """        loss = _IndexerLoss.apply(q_idx, k_idx, weights, 
         loss = loss + (kl_t - kl_t.detach())          # same value, gradient reaches q, kv, sink
 """
 
+_CHUNK_R = "            parts[r].append(torch.arange(s + r * c, s + (r + 1) * c))\n"
+_CHUNK_MIRROR = ("            parts[r].append(torch.arange(s + (2 * cp - 1 - r) * c, "
+                 "s + (2 * cp - r) * c))\n")
+
 MUTANTS: tuple[Mutant, ...] = (
     # -- sections 1-3, 5: rows, windows, groups --------------------------------------------
     _m("window-off-by-one-start", "window starts one key early and misses the query itself "
        "(positions p-W .. p-1)",
-       (TB, "wpos = torch.clamp(pos - window + 1, min=0)", "wpos = torch.clamp(pos - window, min=0)"),
+       (TB, "wpos = torch.clamp(pos - window + 1, min=0)",
+        "wpos = torch.clamp(pos - window, min=0)"),
        first=["short-docs"]),
     _m("window-excludes-self", "window keys strictly before the query (p-W+1 .. p-1)",
        (TB, "win_ok = (wpos <= pos.unsqueeze(1))", "win_ok = (wpos < pos.unsqueeze(1))"),
@@ -148,8 +154,10 @@ MUTANTS: tuple[Mutant, ...] = (
        first=["padding-edge-layout"]),
     _m("padding-rows-scored", "the indexer scores padding rows (loops to the padded end of the "
        "document instead of the real one)",
-       (TB, "for s0 in range(r0, r0 + real[b], step):\n            s1 = min(s0 + step, r0 + real[b])",
-        "for s0 in range(r0, cu_pad[b + 1], step):\n            s1 = min(s0 + step, cu_pad[b + 1])"),
+       (TB, "for s0 in range(r0, r0 + real[b], step):\n"
+        "            s1 = min(s0 + step, r0 + real[b])",
+        "for s0 in range(r0, cu_pad[b + 1], step):\n"
+        "            s1 = min(s0 + step, cu_pad[b + 1])"),
        (TB, "    vis = layout.visible_compressed(ratio).to(dev)\n    wf = w.to(F32) * scale\n",
         "    vis = torch.minimum((layout.pos + 1) // ratio, layout.compressed_counts(ratio)["
         "layout.doc.clamp_min(0)]).to(dev)\n    wf = w.to(F32) * scale\n"),
@@ -160,7 +168,8 @@ MUTANTS: tuple[Mutant, ...] = (
        first=["padding-edge-layout"]),
     _m("compressed-id-offset", "compressed ids placed at T - 1 + c instead of T + c in the "
        "logical key space",
-       (TB, "cmp = torch.where(cmp >= 0, cmp + T, cmp)", "cmp = torch.where(cmp >= 0, cmp + T - 1, cmp)"),
+       (TB, "cmp = torch.where(cmp >= 0, cmp + T, cmp)",
+        "cmp = torch.where(cmp >= 0, cmp + T - 1, cmp)"),
        first=["padding-edge-layout"]),
     # -- section 4: stable Top-K -------------------------------------------------------------
     _m("ties-id-descending", "equal scores: the larger column id wins",
@@ -197,8 +206,7 @@ MUTANTS: tuple[Mutant, ...] = (
        (TB, "ok = (ids >= 0) & (ids < num_keys)", "ok = (ids >= 0) & (ids <= num_keys)"),
        first=["hostile-ids-no-lengths"]),
     _m("duplicates-once", "a key id repeated in a row counts once instead of once per slot",
-       (TB, "        ok &= torch.arange(ids.shape[1], device=ids.device).unsqueeze(0) < "
-        "lengths.unsqueeze(1)\n", _DEDUP),
+       (TB, _LENGTH_MASK, _DEDUP),
        first=["duplicate-ids"]),
     _m("invalid-slots-gather-last-key", "invalid slots gather the last key row and rely on the "
        "-inf mask alone (0 * NaN leaks)",
@@ -210,7 +218,8 @@ MUTANTS: tuple[Mutant, ...] = (
        (TB, "        lse[r0:r1] = l\n", "        lse[r0:r1] = l / math.log(2)\n"),
        first=["padding-edge-layout"]),
     _m("lse-includes-sink", "lse includes the sink (returns LSEf)",
-       (TB, "        lse[r0:r1] = l\n", "        lse[r0:r1] = torch.logaddexp(l, sink32.unsqueeze(0))\n"),
+       (TB, "        lse[r0:r1] = l\n",
+        "        lse[r0:r1] = torch.logaddexp(l, sink32.unsqueeze(0))\n"),
        first=["padding-edge-layout"]),
     _m("lse-bf16", "lse rounded to bfloat16 (statistics must stay float32)",
        (TB, "        lse[r0:r1] = l\n", "        lse[r0:r1] = l.to(torch.bfloat16).to(F32)\n"),
@@ -264,7 +273,8 @@ MUTANTS: tuple[Mutant, ...] = (
               "(dkv, dk_idx) fold in a fixed order whatever the chunking: the bits may change, "
               "the values stay within the bounds and every replay repeats them"),
     _m("p-unrounded", "P is not rounded to the operand dtype before P @ V",
-       (TB, "out[r0:r1] = _mm(_operand(p, kv), kg[:, :, :dv])", "out[r0:r1] = _mm(p, kg[:, :, :dv])"),
+       (TB, "out[r0:r1] = _mm(_operand(p, kv), kg[:, :, :dv])",
+        "out[r0:r1] = _mm(p, kg[:, :, :dv])"),
        first=["padding-edge-layout"],
        expect="survives",
        reason="more accurate than the documented precision; the error model bounds a kernel "
@@ -376,8 +386,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- the packed layer ---------------------------------------------------------------------
     _m("teacher-not-detached", "the layer's indexer loss lets gradient reach q, kv_cmp and the "
        "sink through the teacher",
-       (LAYER, "        loss = _IndexerLoss.apply(q_idx, k_idx, weights, res.loss, res.target, "
-        "res.predict,\n                                  cmp_ids, lcfg)\n", _TEACHER_ATTACHED),
+       (LAYER, _LAYER_LOSS, _TEACHER_ATTACHED),
        first=["dtype-float64"]),
     _m("layer-n-from-padded-rows", "the layer normalises the loss by the packed row count",
        (LAYER, "n_real = layout.num_real if num_real is None",
@@ -400,10 +409,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "cfg.update(num_real=max(1, layout.num_real // dist.get_world_size(group)),"),
        lane=["oracle_tests/test_cp_gloo.py::test_gathered_results_match_cp1_oracle"]),
     _m("zigzag-chunk-order-swapped", "zigzag CP: rank r lists chunk 2cp-1-r before chunk r",
-       (REF_CP, "            parts[r].append(torch.arange(s + r * c, s + (r + 1) * c))\n"
-        "            parts[r].append(torch.arange(s + (2 * cp - 1 - r) * c, s + (2 * cp - r) * c))\n",
-        "            parts[r].append(torch.arange(s + (2 * cp - 1 - r) * c, s + (2 * cp - r) * c))\n"
-        "            parts[r].append(torch.arange(s + r * c, s + (r + 1) * c))\n"),
+       (REF_CP, _CHUNK_R + _CHUNK_MIRROR, _CHUNK_MIRROR + _CHUNK_R),
        lane=["oracle_tests/test_reference_cp.py::"
              "test_partition_is_an_exact_cover_of_the_documented_shape"]),
 )
