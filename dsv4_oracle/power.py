@@ -153,6 +153,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="case catalog (default: full)")
     p.add_argument("--case", metavar="PATTERN", action="append", default=[],
                    help="case id or glob; repeatable")
+    p.add_argument("--list", action="store_true", help="list the selected cases and exit")
     p.add_argument("--json", metavar="FILE", default=None, help="write the rows as JSON")
     p.add_argument("--markdown", metavar="FILE", default=None,
                    help="write the table as Markdown")
@@ -175,6 +176,11 @@ def main_power(args) -> int:
     except SelectionError as exc:
         print(f"dsv4-oracle power: error: {exc}", file=sys.stderr)
         return 2
+    if args.list:
+        for c in cases:
+            print(c.id)
+        print(f"{len(cases)} cases ({catalog} catalog)")
+        return 0
     t0 = time.perf_counter()
 
     def progress(case):
