@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_check_parser(sub)
     from .init_adapter import add_parser as add_init_adapter_parser
     add_init_adapter_parser(sub)
+    from .mutation import add_parser as add_mutate_parser
+    from .power import add_parser as add_power_parser
+    add_mutate_parser(sub)
+    add_power_parser(sub)
     return parser
 
 
