@@ -401,12 +401,12 @@ def sparse_attention_forward(q, kv, ids, sink, *, scale=None, v_dim=None, length
     valid = (ids >= 0) & (ids < S)
     if lengths is not None:
         valid &= torch.arange(K, device=dev).unsqueeze(0) < lengths.to(torch.int64).unsqueeze(1)
-    cids, clen = _compact(ids, valid)
+    compact_ids, compact_len = _compact(ids, valid)
     dsa = _dsa()
     with torch.cuda.device(dev):
         res = dsa.sparse_attention_forward_wrapper(
-            q.contiguous(), kv.contiguous(), _pad_cols(cids, 64, -1), attn_sink=sink32,
-            topk_length=clen, softmax_scale=float(scale))
+            q.contiguous(), kv.contiguous(), _pad_cols(compact_ids, 64, -1), attn_sink=sink32,
+            topk_length=compact_len, softmax_scale=float(scale))
     return res["out"], res["lse"]
 
 
@@ -474,12 +474,13 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
     valid = (ids >= 0) & (ids < S)
     if lengths is not None:
         valid &= torch.arange(K, device=dev).unsqueeze(0) < lengths.to(torch.int64).unsqueeze(1)
-    cids, clen = _compact(ids, valid)
+    compact_ids, compact_len = _compact(ids, valid)
     dsa = _dsa()
     with torch.cuda.device(dev):
         res = dsa.sparse_attention_backward_wrapper(
             q.contiguous(), kv.contiguous(), out_c, dout_c, lse32, sink32,
-            _pad_cols(cids, 64, -1), softmax_scale=float(scale), topk_length=clen,
+            _pad_cols(compact_ids, 64, -1), softmax_scale=float(scale),
+            topk_length=compact_len,
             deterministic=deterministic and _capability(dev)[0] == 10)
     return res["dq"], res["dkv"], res["d_sink"]
 

@@ -95,11 +95,11 @@ def gather_ranks(case, cp, runs):
     if applies("stable_topk", case):
         slot_to_cid = torch.full((cp * plans[0].cmp_capacity,), -1, dtype=torch.int64)
         slot_to_cid[plans[0].group_slot] = torch.arange(lay.num_compressed(case.ratio))
-        cids = []
+        cmp_ids = []
         for r in runs:
             s = r["compressed_ids"].to(torch.int64)
-            cids.append(torch.where(s >= 0, slot_to_cid[s.clamp_min(0)], -1))
-        got["cmp_ids"] = torch.cat(cids).to(torch.int32)
+            cmp_ids.append(torch.where(s >= 0, slot_to_cid[s.clamp_min(0)], -1))
+        got["cmp_ids"] = torch.cat(cmp_ids).to(torch.int32)
         got["cmp_lengths"] = (got["cmp_ids"] >= 0).sum(dim=1).to(torch.int32)
         got["scores"] = torch.cat([r["index_scores"][:, plans[0].group_slot] for r in runs])
         got["loss"] = runs[0]["loss"]
