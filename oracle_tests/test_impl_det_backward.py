@@ -45,7 +45,7 @@ _INTERPRETED = textwrap.dedent("""
     import importlib
     from oracle_tests.impl_harness import CUDNN_CUDA
     from dsv4_oracle.compare import compare_numeric
-    T, H, D, DV, S, K, spread, module, options = json.loads(sys.argv[1])
+    T, H, D, DV, S, K, module, options = json.loads(sys.argv[1])
     km = importlib.import_module("gpu_impl." + module)
     g = torch.Generator().manual_seed(5)
     dt = torch.float16
@@ -54,16 +54,14 @@ _INTERPRETED = textwrap.dedent("""
     dout = torch.randn(T, H, DV, generator=g).to(dt)
     sink = torch.randn(H, generator=g)
     sink[0] = -float("inf")
-    if spread:                        # every row picks keys all over a large S
-        ids = torch.randint(0, S, (T, K), generator=g)
-    else:                             # a causal window plus a few shared keys, duplicates
-        t = torch.arange(T).unsqueeze(1)
-        ids = torch.cat([t - torch.arange(K // 2), torch.randint(0, 8, (T, K - K // 2),
-                                                                  generator=g)], 1)
-        ids[:, 1] = ids[:, 0]
-        bad = torch.tensor([-2 ** 31, -1, S, S + 5, 2 ** 31 - 1])
-        m = torch.rand(T, K, generator=g) < 0.15
-        ids = torch.where(m, bad[torch.randint(0, 5, (T, K), generator=g)], ids)
+    # a causal window plus a few shared keys, duplicates, hostile ids
+    t = torch.arange(T).unsqueeze(1)
+    ids = torch.cat([t - torch.arange(K // 2), torch.randint(0, 8, (T, K - K // 2),
+                                                              generator=g)], 1)
+    ids[:, 1] = ids[:, 0]
+    bad = torch.tensor([-2 ** 31, -1, S, S + 5, 2 ** 31 - 1])
+    m = torch.rand(T, K, generator=g) < 0.15
+    ids = torch.where(m, bad[torch.randint(0, 5, (T, K), generator=g)], ids)
     ids = ids.to(torch.int32)
     lengths = torch.randint(0, K + 3, (T,), generator=g).to(torch.int32)
     lengths[2] = -1
@@ -159,7 +157,7 @@ SPLIT_CHUNKED = dict(SPLIT_SMALL, max_buffer_bytes=1)
 def test_interpreted_against_oracle(shape, options):
     """The split kernel (duplicates, hostile ids, bad lengths, empty rows, a -inf sink) agrees
     with the float64 oracle within the error model; the caller's tensors are untouched."""
-    res = _interpret(list(shape) + [False, "kernels_triton_split", options])
+    res = _interpret(list(shape) + ["kernels_triton_split", options])
     assert res["stats"]["route"] == "split", res
     if options is SPLIT_CHUNKED:
         assert res["stats"]["chunks"] == res["stats"]["groups"] > 1, res
