@@ -9,9 +9,10 @@ Timed (CUDA events, median of ``--reps`` calls after warm-up; every call include
 own argument checks and sanitisation unless the row says "raw"):
 
 - attention forward: Triton (this backend, default config, plus a small config sweep), the
-  cuDNN graph SDPA on gathered keys (gather included), the torch backend;
+  torch backend;
 - attention backward: cuDNN SM90 (default mode; raw wrapper and through the backend), the
-  Triton fixed-order deterministic backward (plus a config sweep), bitwise replay check;
+  Triton split deterministic backward (plus a config sweep; ``--det-backward-only``: alone,
+  with its phases, no cuDNN needed), bitwise replay check;
 - indexer forward (cuDNN THD, raw and with the scatter to [T, C]), Top-K (cuDNN deterministic
   and default), indexer loss (cuDNN teacher + torch), loss gradients (cuDNN default and the
   Triton fixed-order kernels; ``--indexer-grad-only``: the Triton kernels alone with phases and a
@@ -44,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gpu_impl import cudnn_backend as cb          # noqa: E402
 from gpu_impl import kernels_triton as kt         # noqa: E402
+from gpu_impl import kernels_triton_split as ks   # noqa: E402
 from gpu_impl import torch_backend as tb          # noqa: E402
 
 H, D, DV, W, K, HI, DI, RATIO = 64, 512, 512, 128, 512, 64, 128, 4
@@ -115,35 +117,24 @@ SPLIT_SWEEP = (dict(num_warps=4), dict(block_n=32), dict(block_n=128, dkv_block_
 
 
 def bench_det_backward(x: dict, T: int, reps: int, row, log, sweep: bool = False):
-    """The deterministic backwards on the same inputs: planes (one kernel), split (row pass +
-    column-sliced planes) and key-major; bitwise replays, relative difference to planes, time
-    (whole call, layout building included), the row pass alone, and a config sweep of split
-    (and key-major). Needs no cuDNN."""
-    from gpu_impl import kernels_triton_keymajor as km
-    from gpu_impl import kernels_triton_split as ks
+    """The deterministic backward (:mod:`gpu_impl.kernels_triton_split`: row pass + column-sliced
+    planes): bitwise replays, time (whole call, layout building included), the row pass alone,
+    the phases, and a config sweep. Needs no cuDNN."""
     q, kv, ids, lengths, sink, dout = x["q"], x["kv"], x["ids"], x["lengths"], x["sink"], x["dout"]
     scale = D ** -0.5
     n = int(lengths.sum())
     f_bwd = 2.0 * n * H * (3 * D + 2 * DV)
     out, lse = kt.attention_forward(q, kv, ids, sink, scale, DV, lengths)
-    p = kt.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV, lengths)
-    row("attention bwd: Triton planes (deterministic)",
-        timeit(lambda: kt.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV,
-                                             lengths), reps), f_bwd, note=f"{kt.BACKWARD_CONFIG}")
-    for name, mod, cfg in (("split", ks, ks.SPLIT_CONFIG), ("key-major", km, km.KEYMAJOR_CONFIG)):
-        stats: dict = {}
-        a = mod.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV, lengths,
-                                   stats=stats)
-        b = mod.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV, lengths)
-        same = all(torch.equal(u, v) for u, v in zip(a, b))
-        log(f"T={T} {name} {stats}; bitwise replay equal: {same}; vs planes: dq rel "
-            f"{rel(a[0], p[0]):.2e}, dkv rel {rel(a[1], p[1]):.2e}, dsink rel "
-            f"{rel(a[2], p[2]):.2e}")
-        del a, b
-        row(f"attention bwd: Triton {name} (deterministic)",
-            timeit(lambda mod=mod: mod.attention_backward(q, kv, ids, sink, out, lse, dout, scale,
-                                                          DV, lengths), reps), f_bwd,
-            note=f"replay equal {same}; {stats}; {cfg}")
+    stats: dict = {}
+    a = ks.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV, lengths, stats=stats)
+    b = ks.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV, lengths)
+    same = all(torch.equal(u, v) for u, v in zip(a, b))
+    log(f"T={T} split {stats}; bitwise replay equal: {same}")
+    del a, b
+    row("attention bwd: Triton split (deterministic)",
+        timeit(lambda: ks.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV,
+                                             lengths), reps), f_bwd,
+        note=f"replay equal {same}; {stats}; {ks.SPLIT_CONFIG}")
     delta, full2, _ = kt.row_statistics(out, lse, dout, sink)
     row("attention bwd: row pass alone (dq only)",
         timeit(lambda: ks.row_pass(q, kv, ids, lengths, dout, full2, delta, scale, DV), reps),
@@ -156,15 +147,13 @@ def bench_det_backward(x: dict, T: int, reps: int, row, log, sweep: bool = False
         log(f"T={T} split phases {c}: {st.get('ms')} (plane bytes {st['plane_bytes']})")
     if not sweep:
         return
-    for name, mod, cfgs in (("split", ks, SPLIT_SWEEP),
-                            ("key-major", km, ())):
-        for c in cfgs:
-            try:
-                row(f"attention bwd: {name} sweep", timeit(lambda: mod.attention_backward(
-                    q, kv, ids, sink, out, lse, dout, scale, DV, lengths, **c), reps), f_bwd,
-                    note=f"{c}")
-            except Exception as exc:                               # keep sweeping
-                log(f"FAILED {name} {c}: {type(exc).__name__}: {str(exc)[:300]}")
+    for c in SPLIT_SWEEP:
+        try:
+            row("attention bwd: split sweep", timeit(lambda c=c: ks.attention_backward(
+                q, kv, ids, sink, out, lse, dout, scale, DV, lengths, **c), reps), f_bwd,
+                note=f"{c}")
+        except Exception as exc:                               # keep sweeping
+            log(f"FAILED split {c}: {type(exc).__name__}: {str(exc)[:300]}")
 
 
 GRAD_SWEEP = (dict(num_warps=8), dict(num_warps=2), dict(block_n=32), dict(block_n=128),
@@ -275,16 +264,6 @@ def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: li
         "attention fwd: cudnn_backend (checks + Triton)",
         timeit(lambda: cb.sparse_attention_forward(q, kv, ids, sink, lengths=lengths), reps),
         f_fwd, b_fwd))
-
-    def sdpa():
-        o2, l2 = cb.sparse_attention_forward(q, kv, ids, sink, lengths=lengths, kernel="cudnn_sdpa")
-        log(f"T={T} cudnn_sdpa vs triton: out rel {rel(o2, out):.2e}, lse rel {rel(l2, lse):.2e}")
-        row("attention fwd: cuDNN graph SDPA on gathered keys (gather incl.)",
-            timeit(lambda: cb.sparse_attention_forward(q, kv, ids, sink, lengths=lengths,
-                                                       kernel="cudnn_sdpa"), reps),
-            f_fwd, b_fwd)
-    if not lean:
-        attempt("fwd cudnn_sdpa", sdpa)
     attempt("fwd torch", lambda: None if lean else row("attention fwd: torch backend",
                                      timeit(lambda: tb.sparse_attention_forward(
                                          q, kv, ids, sink, lengths=lengths), max(3, reps // 4)),
@@ -303,34 +282,23 @@ def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: li
                                                     lengths=lengths, deterministic=False), reps),
         f_bwd, b_bwd))
 
-    def bwd_triton(**cfg):
-        return kt.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV, lengths, **cfg)
+    def bwd_split():
+        return ks.attention_backward(q, kv, ids, sink, out, lse, dout, scale, DV, lengths)
 
     def check_bwd():
         c = raw_cudnn_bwd()
-        for red in ("planes", "fixed"):
-            a = bwd_triton(reduction=red)
-            b = bwd_triton(reduction=red)
-            same = all(torch.equal(u, v) for u, v in zip(a, b))
-            log(f"T={T} triton bwd ({red}) bitwise replay equal: {same}; vs cuDNN: dq rel "
-                f"{rel(a[0], c['dq']):.2e}, dkv rel {rel(a[1], c['dkv']):.2e}, dsink rel "
-                f"{rel(a[2], c['d_sink']):.2e}")
-            rows.append(dict(T=T, what=f"triton bwd ({red}) replay bitwise equal", ms=None,
-                             note=str(same)))
+        a = bwd_split()
+        b = bwd_split()
+        same = all(torch.equal(u, v) for u, v in zip(a, b))
+        log(f"T={T} triton split bwd bitwise replay equal: {same}; vs cuDNN: dq rel "
+            f"{rel(a[0], c['dq']):.2e}, dkv rel {rel(a[1], c['dkv']):.2e}, dsink rel "
+            f"{rel(a[2], c['d_sink']):.2e}")
+        rows.append(dict(T=T, what="triton split bwd replay bitwise equal", ms=None,
+                         note=str(same)))
     if not lean:
         attempt("check backward", check_bwd)
-    attempt("bwd triton", lambda: None if lean else row("attention bwd: Triton fixed-order (deterministic)",
-                                      timeit(bwd_triton, reps), f_bwd, b_bwd,
-                                      f"config {kt.BACKWARD_CONFIG}"))
-    if not lean:
-        attempt("bwd det kernels", lambda: bench_det_backward(x, T, reps, row, log))
-    if sweep:
-        for cfg in (dict(num_stages=2), dict(num_stages=3), dict(num_warps=4, programs=264),
-                    dict(num_warps=4, programs=396), dict(block_d=256), dict(block_d=64),
-                    dict(reduction="fixed")):
-            attempt(f"bwd triton {cfg}", lambda cfg=cfg: row(
-                "attention bwd: Triton sweep", timeit(lambda: bwd_triton(**cfg), reps), f_bwd,
-                b_bwd, f"config {cfg}"))
+        attempt("bwd det kernel", lambda: bench_det_backward(x, T, reps, row, log,
+                                                             sweep=sweep))
     attempt("bwd backend det", lambda: row(
         "attention bwd: cudnn_backend deterministic (Triton, checks incl.)",
         timeit(lambda: cb.sparse_attention_backward(q, kv, ids, sink, out, lse, dout,
@@ -399,13 +367,13 @@ def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: li
     # ---- the whole DSA step: indexer, Top-K, attention fwd + bwd, indexer loss + gradients --
     def step(det: bool):
         s_ = cb.indexer_scores(q_idx, k_idx, w, lay, RATIO, deterministic=det)
-        cids, _ = cb.stable_topk(s_, K, deterministic=det)
+        cmp_ids, _ = cb.stable_topk(s_, K, deterministic=det)
         o, l_ = cb.sparse_attention_forward(q, kv, ids, sink, lengths=lengths, deterministic=det)
         cb.sparse_attention_backward(q, kv, ids, sink, o, l_, dout, lengths=lengths,
                                      deterministic=det)
-        ls = cb.sparse_indexer_loss(q, kv_cmp, sink, l_, cids, s_, lay, coeff=0.01,
+        ls = cb.sparse_indexer_loss(q, kv_cmp, sink, l_, cmp_ids, s_, lay, coeff=0.01,
                                     deterministic=det)
-        cb.sparse_indexer_loss_grad(q_idx, k_idx, w, cids, ls.target, ls.predict, coeff=0.01,
+        cb.sparse_indexer_loss_grad(q_idx, k_idx, w, cmp_ids, ls.target, ls.predict, coeff=0.01,
                                     num_real=T, deterministic=det)
     for det in (False, True):
         attempt(f"step det={det}", lambda det=det: row(
@@ -420,12 +388,12 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--det-backward-only", action="store_true",
-                    help="only the deterministic backwards: planes, split, key-major (no cuDNN)")
+                    help="only the deterministic attention backward (Triton split; no cuDNN)")
     ap.add_argument("--indexer-grad-only", action="store_true",
                     help="only the deterministic indexer-loss gradient (Triton; no cuDNN)")
     ap.add_argument("--lean", action="store_true",
-                    help="skip the torch backend, graph SDPA, the alternative deterministic "
-                         "backwards and their checks")
+                    help="skip the torch backend, the deterministic backward's own phases and "
+                         "sweep, and the checks")
     args = ap.parse_args()
     lines = []
 

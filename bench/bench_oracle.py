@@ -5,12 +5,15 @@ The measured pipeline is one DSv4 CSA layer's reference work on a packed THD mic
     indexer scores -> stable Top-K + CSA key ids -> attention forward -> attention backward
     -> sparse indexer loss -> indexer loss gradients
 
-once with the gather oracle (``reference``) and once with the dense-mask form of the public
+once with the gather oracle (``reference``, stage by stage through the stage table of
+``dsv4_oracle.conformance``: the same ops, arguments and names the conformance check uses) and
+once with the dense-mask form of the public
 anchors: a key-count matrix over the whole logical key buffer (``reference.dense``), full softmax
 attention per head chunk with its backward by autograd; the indexer and the loss over the whole
 ``T x C`` score matrix, loss gradients by autograd. Both run on the same inputs; when they run at
 the same ``T`` a checker compares them (ids exactly, every float output with the contract's
-error model, section 12), so the timing compares two computations of the same numbers.
+error model through ``dsv4_oracle.compare.compare_numeric``, section 12), so the timing
+compares two computations of the same numbers.
 
 Every configuration (the float64 GEMM probe, the oracle, the dense form, the checker) runs in a
 fresh subprocess, so its peak resident memory is its own. Per stage, the peak RSS above the
@@ -53,12 +56,21 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import reference as ref  # noqa: E402
+from dsv4_oracle import conformance  # noqa: E402
+from dsv4_oracle.compare import compare_numeric  # noqa: E402
+from fixtures.case import Case  # noqa: E402
 from reference import dense  # noqa: E402
 from reference._reduce import row_extents  # noqa: E402
 from reference.attention import SLOT_MULTIPLE, valid_slots  # noqa: E402
 
 STAGES = ("indexer_scores", "topk_and_ids", "attn_forward", "attn_backward",
           "indexer_loss", "loss_grad")
+# the benchmark's stage of each op of the conformance stage table (Top-K and the CSA rows are
+# timed together)
+STAGE_OF_OP = {"indexer_scores": "indexer_scores", "stable_topk": "topk_and_ids",
+               "build_csa_indices": "topk_and_ids", "sparse_attention_forward": "attn_forward",
+               "sparse_attention_backward": "attn_backward",
+               "sparse_indexer_loss": "indexer_loss", "sparse_indexer_loss_grad": "loss_grad"}
 COEFF = 1e-2  # the DSv4-Flash recipe's indexer loss coefficient
 
 
@@ -101,8 +113,20 @@ def packed_layout(T: int) -> ref.PackedLayout:
     return ref.PackedLayout(cu, cu_pad)
 
 
+def bench_case(shape: Shape) -> Case:
+    """The layer at ``shape`` as a :class:`fixtures.Case` (its description only: the inputs are
+    :func:`make_inputs`), so that the conformance stage table runs it."""
+    lay = packed_layout(shape.T)
+    return Case(name=f"bench-T{shape.T}", seed=0, cu_seqlens=tuple(lay.cu_seqlens.tolist()),
+                cu_seqlens_padded=tuple(lay.cu_seqlens_padded.tolist()), num_rows=shape.T,
+                heads=shape.H, head_dim=shape.D, window=shape.W, ratio=shape.ratio,
+                topk=shape.K, index_heads=shape.HI, index_dim=shape.DI, layer="csa",
+                coeff=COEFF, dtype="float64")
+
+
 def make_inputs(shape: Shape, seed: int = 0) -> dict:
-    """Random float64 inputs of one CSA layer at ``shape`` (fixed seed)."""
+    """Random float64 inputs of one CSA layer at ``shape`` (fixed seed); ``kv`` is the logical
+    key buffer ``[kv_raw; kv_cmp]``."""
     g = torch.Generator().manual_seed(seed)
     lay = packed_layout(shape.T)
     T, C = shape.T, lay.num_compressed(shape.ratio)
@@ -110,7 +134,7 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict:
     def rnd(*size, s=1.0):
         return torch.randn(*size, generator=g, dtype=torch.float64) * s
 
-    return dict(
+    x = dict(
         layout=lay,
         q=rnd(T, shape.H, shape.D),
         kv_raw=rnd(T, shape.D),
@@ -121,6 +145,8 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict:
         weights=rnd(T, shape.HI, s=shape.HI ** -0.5),
         dout=rnd(T, shape.H, shape.D),
     )
+    x["kv"] = torch.cat([x["kv_raw"], x["kv_cmp"]])
+    return x
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,30 +290,20 @@ class StageTimer:
 # The two pipelines
 # ---------------------------------------------------------------------------------------------
 def oracle_pipeline(shape: Shape, x: dict, timer: StageTimer) -> dict:
-    lay = x["layout"]
-    kv = torch.cat([x["kv_raw"], x["kv_cmp"]])
-    scores = timer.run("indexer_scores", ref.indexer_scores, x["q_idx"], x["k_idx"],
-                       x["weights"], lay, shape.ratio)
-
-    def topk_and_ids():
-        cids, _ = ref.stable_topk(scores, shape.K)
-        ids, lengths = ref.build_csa_indices(lay, window=shape.W, ratio=shape.ratio,
-                                             compressed_ids=cids)
-        return cids, ids, lengths
-
-    cids, ids, lengths = timer.run("topk_and_ids", topk_and_ids)
-    out, lse = timer.run("attn_forward", ref.sparse_attention_forward, x["q"], kv, ids,
-                         x["sink"], lengths=lengths)
-    dq, dkv, dsink = timer.run("attn_backward", ref.sparse_attention_backward, x["q"], kv, ids,
-                               x["sink"], out, lse, x["dout"], lengths=lengths)
-    loss = timer.run("indexer_loss", ref.sparse_indexer_loss, x["q"], x["kv_cmp"], x["sink"],
-                     lse, cids, scores, lay, coeff=COEFF)
-    dq_idx, dw, dk_idx = timer.run("loss_grad", ref.sparse_indexer_loss_grad, x["q_idx"],
-                                   x["k_idx"], x["weights"], cids, loss.target, loss.predict,
-                                   coeff=COEFF, num_real=loss.num_real)
-    return dict(scores=scores, cids=cids, ids=ids, lengths=lengths, out=out, lse=lse, dq=dq,
-                dkv=dkv, dsink=dsink, loss=loss.loss, kl=loss.kl, target=loss.target,
-                predict=loss.predict, dq_idx=dq_idx, dw=dw, dk_idx=dk_idx)
+    """The oracle through the conformance stage table (:func:`conformance.oracle_stage`, stage
+    by stage in table order), each op timed into its benchmark stage (:data:`STAGE_OF_OP`)."""
+    case = bench_case(shape)
+    done: dict = {}
+    prev = None
+    for st in conformance.STAGES:
+        if not conformance.applies(st.op, case):
+            continue
+        name = STAGE_OF_OP[st.op]
+        mark = timer.start()
+        done.update(conformance.oracle_stage(case, st, x, done))
+        timer.stop(name, mark, add_to_last=name == prev)
+        prev = name
+    return done
 
 
 def _dense_indexer(q_idx, k_idx, w, visible, scale):
@@ -323,7 +339,7 @@ def dense_pipeline(shape: Shape, x: dict, timer: StageTimer, heads_per_step: int
     lay = x["layout"]
     T, H, D = shape.T, shape.H, shape.D
     C = lay.num_compressed(shape.ratio)
-    kv = torch.cat([x["kv_raw"], x["kv_cmp"]])
+    kv = x["kv"]
     s_idx, s_att = shape.DI ** -0.5, D ** -0.5
     vis = dense.dense_visibility(lay, shape.W, shape.ratio)[:, T:]      # [T, C] compressed part
 
@@ -336,13 +352,13 @@ def dense_pipeline(shape: Shape, x: dict, timer: StageTimer, heads_per_step: int
     scores = timer.run("indexer_scores", indexer)
 
     def topk_and_ids():
-        cids, _ = ref.stable_topk(scores, shape.K)
+        cmp_ids, _ = ref.stable_topk(scores, shape.K)
         ids, lengths = ref.build_csa_indices(lay, window=shape.W, ratio=shape.ratio,
-                                             compressed_ids=cids)
+                                             compressed_ids=cmp_ids)
         counts = dense.slot_counts(ids, T + C, lengths)                  # [T, S] key counts
-        return cids, ids, lengths, counts
+        return cmp_ids, ids, lengths, counts
 
-    cids, ids, lengths, counts = timer.run("topk_and_ids", topk_and_ids)
+    cmp_ids, ids, lengths, counts = timer.run("topk_and_ids", topk_and_ids)
 
     # Attention: forward, then autograd backward, per head chunk; each part timed into its stage.
     kv_leaf = kv.clone().requires_grad_(True)
@@ -367,10 +383,10 @@ def dense_pipeline(shape: Shape, x: dict, timer: StageTimer, heads_per_step: int
         del o, l, gq, gkv, gs
     out, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
-    ok = cids >= 0
-    safe = torch.where(ok, cids, torch.zeros_like(cids))
+    ok = cmp_ids >= 0
+    safe = torch.where(ok, cmp_ids, torch.zeros_like(cmp_ids))
     selected = torch.zeros((T, C), dtype=torch.bool)
-    selected[torch.arange(T).unsqueeze(1).expand_as(cids)[ok], cids[ok]] = True
+    selected[torch.arange(T).unsqueeze(1).expand_as(cmp_ids)[ok], cmp_ids[ok]] = True
     selected &= lay.is_real.unsqueeze(1)
     n_real = lay.num_real
 
@@ -412,7 +428,7 @@ def dense_pipeline(shape: Shape, x: dict, timer: StageTimer, heads_per_step: int
     dq_idx, dw, dk_idx = timer.run("loss_grad", loss_grad)
     slot = selected.gather(1, safe) & ok
     zero = torch.zeros((), dtype=torch.float64)
-    return dict(scores=scores, cids=cids, ids=ids, lengths=lengths, out=out, lse=lse,
+    return dict(scores=scores, cmp_ids=cmp_ids, ids=ids, lengths=lengths, out=out, lse=lse,
                 dq=torch.cat(dqs, dim=1), dkv=dkv, dsink=torch.cat(dsinks), loss=loss, kl=kl,
                 target=torch.where(slot, tau.gather(1, safe), zero),
                 predict=torch.where(slot, p.gather(1, safe), zero),
@@ -439,55 +455,55 @@ def gemm_rate(n: int, repeats: int) -> dict:
 
 def check_agreement(shape: Shape, o: dict, d: dict) -> dict:
     """The dense results judged against the oracle as an implementation would be: ids, lengths
-    and the selection exactly, every float output by the error model's ratio (section 12; float64
-    on both sides, pass iff <= 1). The loss gradients of the dense form are exact derivatives, so
-    they are judged against the oracle's ``mode="autograd"``."""
-    from dsv4_oracle.conformance import error_ratio_map
+    and the selection exactly, every float output by ``compare.compare_numeric`` (the error
+    model's ratio after an exact check of the non-finite pattern, ill-conditioned elements not
+    judged; section 12; float64 on both sides). Per output its ratio; ``passed`` when every
+    exact check holds and every numeric check passes. The loss gradients of the dense form are
+    exact derivatives, so they are judged against the oracle's ``mode="autograd"``."""
     from reference import error_model as em
 
     x = make_inputs(shape)
     lay = x["layout"]
-    kv = torch.cat([x["kv_raw"], x["kv_cmp"]])
+    kv = x["kv"]
     prec = em.ORACLE_PRECISION
+    checks = []
 
-    def worst(actual, expected, bound):
-        if not expected.numel():
-            return 0.0
-        bound = torch.broadcast_to(bound, expected.shape)
-        return float(error_ratio_map(actual.reshape(-1), expected.reshape(-1),
-                                     bound.reshape(-1)).max())
+    def ratio(name, actual, expected, bound):
+        c = compare_numeric(name, actual, expected, bound)
+        checks.append(c)
+        return c.ratio if c.ratio is not None else 0.0
 
     res = {"ids_equal": bool(torch.equal(o["ids"], d["ids"])),
            "lengths_equal": bool(torch.equal(o["lengths"], d["lengths"])),
-           "compressed_ids_equal": bool(torch.equal(o["cids"], d["cids"]))}
+           "cmp_ids_equal": bool(torch.equal(o["cmp_ids"], d["cmp_ids"]))}
     b = em.indexer_scores_bound(x["q_idx"], x["k_idx"], x["weights"], lay, shape.ratio,
                                 o["scores"], precision=prec)
-    res["scores"] = worst(d["scores"], o["scores"], b)
+    res["scores"] = ratio("scores", d["scores"], o["scores"], b)
     b_out, b_lse = em.attention_forward_bound(x["q"], kv, o["ids"], x["sink"], o["out"], o["lse"],
                                               precision=prec, lengths=o["lengths"])
-    res["out"] = worst(d["out"], o["out"], b_out)
-    res["lse"] = worst(d["lse"], o["lse"], b_lse)
+    res["out"] = ratio("out", d["out"], o["out"], b_out)
+    res["lse"] = ratio("lse", d["lse"], o["lse"], b_lse)
     bounds = em.attention_backward_bound(x["q"], kv, o["ids"], x["sink"], o["out"], o["lse"],
                                          x["dout"], o["dq"], o["dkv"], o["dsink"],
                                          precision=prec, lengths=o["lengths"])
     for k, bd in zip(("dq", "dkv", "dsink"), bounds):
-        res[k] = worst(d[k], o[k], bd)
+        res[k] = ratio(k, d[k], o[k], bd)
     result = ref.IndexerLoss(o["loss"], o["kl"], o["target"], o["predict"], lay.num_real)
-    lb = em.indexer_loss_bound(x["q"], x["kv_cmp"], x["sink"], o["lse"], o["cids"], o["scores"],
-                               lay, result, coeff=COEFF, precision=prec)
+    lb = em.indexer_loss_bound(x["q"], x["kv_cmp"], x["sink"], o["lse"], o["cmp_ids"],
+                               o["scores"], lay, result, coeff=COEFF, precision=prec)
     for k in ("loss", "kl", "target", "predict"):
-        res[k] = worst(d[k].reshape(o[k].shape), o[k], getattr(lb, k))
-    auto = ref.sparse_indexer_loss_grad(x["q_idx"], x["k_idx"], x["weights"], o["cids"],
+        res[k] = ratio(k, d[k].reshape(o[k].shape), o[k], getattr(lb, k))
+    auto = ref.sparse_indexer_loss_grad(x["q_idx"], x["k_idx"], x["weights"], o["cmp_ids"],
                                         o["target"], o["predict"], coeff=COEFF,
                                         num_real=lay.num_real, mode="autograd")
-    gb = em.indexer_loss_grad_bound(x["q_idx"], x["k_idx"], x["weights"], o["cids"], o["target"],
-                                    o["predict"], *auto, coeff=COEFF, num_real=lay.num_real,
-                                    precision=prec, mode="autograd")
+    gb = em.indexer_loss_grad_bound(x["q_idx"], x["k_idx"], x["weights"], o["cmp_ids"],
+                                    o["target"], o["predict"], *auto, coeff=COEFF,
+                                    num_real=lay.num_real, precision=prec, mode="autograd")
     for k, e, bd in zip(("dq_idx", "dw", "dk_idx"), auto, gb):
-        res[k] = worst(d[k], e, bd)
+        res[k] = ratio(k, d[k], e, bd)
     res["worst_ratio"] = max(v for v in res.values() if not isinstance(v, bool))
-    res["passed"] = bool(res["ids_equal"] and res["lengths_equal"] and res["compressed_ids_equal"]
-                         and res["worst_ratio"] <= 1.0)
+    res["passed"] = bool(res["ids_equal"] and res["lengths_equal"] and res["cmp_ids_equal"]
+                         and all(c.passed for c in checks))
     return res
 
 
@@ -514,12 +530,12 @@ def child_main(kind: str, shape: Shape, repeats: int, out_path: str, save_path: 
             torch.save({k: v.detach() for k, v in res.items()}, save_path)
         num_keys = shape.T + lay.num_compressed(shape.ratio)
         attn_valid = valid_slots(res["ids"], num_keys, res["lengths"])
-        loss_valid = (res["cids"] >= 0) & lay.is_real.unsqueeze(1)
+        loss_valid = (res["cmp_ids"] >= 0) & lay.is_real.unsqueeze(1)
         result = dict(
             kind=kind, shape=asdict(shape),
             cu_seqlens=lay.cu_seqlens.tolist(), cu_seqlens_padded=lay.cu_seqlens_padded.tolist(),
             num_compressed=lay.num_compressed(shape.ratio),
-            attn_width=int(res["ids"].shape[1]), loss_width=int(res["cids"].shape[1]),
+            attn_width=int(res["ids"].shape[1]), loss_width=int(res["cmp_ids"].shape[1]),
             computed_attn_slots=computed_slots(attn_valid),
             computed_loss_slots=computed_slots(loss_valid),
             valid_attn_slots=int(attn_valid.sum()), valid_loss_slots=int(loss_valid.sum()),

@@ -16,6 +16,9 @@ which judge holds its rules. The oracle's function for a stage is the op of the 
 ``reference`` (the adapter protocol uses the oracle's names and argument order), called with
 the same arguments as the adapter's op.
 
+- :func:`oracle_outputs`: the oracle alone through the same table (every applicable stage on
+  the oracle's own earlier outputs): the reference outputs the regression store keeps, the CP
+  lane compares against and the oracle benchmark times (:func:`oracle_stage` is one step).
 - :func:`run_ops`: the op-level pipeline. Each stage the adapter provides runs on what the
   previous stages produced; a stage it lacks, but whose outputs a later stage reads, is replaced
   by the oracle's result rounded as a kernel stores it (:attr:`Stage.stored`).
@@ -47,8 +50,9 @@ from .compare import (CheckResult, compare_exact, compare_numeric, compare_topk,
                       error_ratios, near_tie_rows, not_judged)
 
 __all__ = ["QUANTITIES", "FORWARD_OUTPUTS", "BACKWARD_OPS", "BACKWARD_CONVENTIONS", "STAGES",
-           "Stage", "Run", "OpError", "run_ops", "run_layer", "layer_applies", "judge",
-           "tensors_of", "error_ratio_map", "concentration_hint"]
+           "Stage", "Run", "OpError", "applies", "oracle_stage", "oracle_outputs", "run_ops",
+           "run_layer", "layer_applies", "judge", "tensors_of", "error_ratio_map",
+           "concentration_hint"]
 
 F64 = torch.float64
 
@@ -711,6 +715,40 @@ STAGES = (
           _judge_loss_grad),
 )
 _PRODUCER = {w: s for s in STAGES for w in s.writes}
+_STAGE = {s.op: s for s in STAGES}
+
+
+def applies(op: str, case) -> bool:
+    """Whether the stage ``op`` of :data:`STAGES` exists for ``case`` (e.g. ``"indexer_scores"``:
+    the case has an indexer; ``"stable_topk"``: a compressed selection). The one copy of these
+    predicates; raises ``ValueError`` for an op that is not a stage."""
+    if op not in _STAGE:
+        raise ValueError(f"op must be one of {tuple(_STAGE)}, got {op!r}")
+    return bool(_STAGE[op].applies(case))
+
+
+def oracle_stage(case, stage: Stage, x: dict, done: dict) -> dict:
+    """The oracle's outputs of one stage, name -> tensor (the stage's ``writes``), on what it
+    reads: the outputs of earlier stages in ``done``, else the case's inputs ``x`` (see
+    :func:`_read`). float64/int64 as ``reference`` returns them, unrounded."""
+    v = {r: _read(case, r, x, done) for r in stage.reads}
+    args, kw = stage.call(case, case.layout(), v)
+    res = _fields(stage.op, getattr(R, stage.op)(*args, **kw), len(stage.writes))
+    return dict(zip(stage.writes, res))
+
+
+def oracle_outputs(case, x: dict, *, backward: bool = True) -> dict:
+    """Every stage of :data:`STAGES` that applies to ``case``, in order, evaluated by the oracle
+    on the inputs ``x`` and its own earlier outputs (no adapter, nothing rounded): a dict named
+    as the stages' ``writes`` (``scores``, ``cmp_ids``, ``cmp_lengths``, ``ids``, ``lengths``,
+    ``out``, ``lse``, ``dq``, ``dkv``, ``dsink``, ``loss``, ``kl``, ``target``, ``predict``,
+    ``dq_idx``, ``dw``, ``dk_idx``; those of the stages that apply). ``backward=False`` skips
+    :data:`BACKWARD_OPS`."""
+    done: dict = {}
+    for st in STAGES:
+        if st.applies(case) and (backward or st.op not in BACKWARD_OPS):
+            done.update(oracle_stage(case, st, x, done))
+    return done
 
 # the quantities each stage's checks carry, for "not judged" rows
 _CHECKED = {"indexer_scores": (("scores", "numeric"),),

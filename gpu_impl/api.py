@@ -15,8 +15,7 @@ Backend selection (:func:`resolve_backend`):
   missing. The module declares support through
   ``why_unsupported(op, device, deterministic, args, kwargs)`` (``None`` when supported, else a
   one-line reason; ``args``/``kwargs`` are the op's own arguments, so that shape or dtype
-  limits of a kernel can be checked; a three-parameter ``why_unsupported(op, device,
-  deterministic)`` is accepted too); a module without that function is taken to support every
+  limits of a kernel can be checked); a module without that function is taken to support every
   op it defines on every CUDA device.
 - ``"auto"``: ``"cudnn"`` where the above holds, else ``"torch"``.
 
@@ -26,7 +25,6 @@ Arguments are validated by the backend before it launches any computation; ``Val
 from __future__ import annotations
 
 import importlib
-import inspect
 import math
 from typing import NamedTuple
 
@@ -128,9 +126,7 @@ def _cudnn_reason(op: str, device: torch.device, deterministic: bool, args=(), k
     if not callable(why):
         return None
     try:
-        if len(inspect.signature(why).parameters) >= 5:
-            return why(op, device, deterministic, tuple(args), dict(kwargs or {}))
-        return why(op, device, deterministic)
+        return why(op, device, deterministic, tuple(args), dict(kwargs or {}))
     except (TypeError, ValueError, AttributeError, IndexError) as exc:
         # malformed arguments: the backend that runs validates them and names the bad one
         return f"its support check rejected the arguments ({type(exc).__name__}: {exc})"

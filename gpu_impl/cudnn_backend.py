@@ -19,12 +19,11 @@ indexer_scores                    cuDNN ``indexer_forward_wrapper`` (THD, real r
                                   scattered into the global ``[T, C]`` column space
 sparse_attention_forward          SM90: Triton (:mod:`gpu_impl.kernels_triton`; cuDNN has no
                                   SM90 forward); SM100: cuDNN ``sparse_attention_forward_
-                                  wrapper``; ``kernel="cudnn_sdpa"``: graph SDPA on gathered
-                                  keys (:mod:`gpu_impl.kernels_cudnn_sdpa`, measured only)
+                                  wrapper``
 sparse_attention_backward         default mode, SM90: cuDNN ``sparse_attention_backward_
                                   wrapper`` (float atomics: dkv, dsink not repeatable);
-                                  deterministic, SM90: Triton, fixed-order planes
-                                  (``kernel=``: ``split`` (auto), ``planes``, ``keymajor``);
+                                  deterministic, SM90: Triton, row pass + fixed-order
+                                  planes (:mod:`gpu_impl.kernels_triton_split`);
                                   SM100: cuDNN ``deterministic=True``
 sparse_indexer_loss               teacher from cuDNN ``sparse_attn_score_recompute_wrapper``
                                   (with ``lse :=`` the per-head normalisers
@@ -149,8 +148,7 @@ def _route(op: str, args: tuple, kwargs: dict, deterministic: bool):
         return _forward_route(q, kwargs.get("v_dim") or q.shape[2], kwargs.get("kernel", "auto"))
     if op == "sparse_attention_backward":
         q = arg(0, "q")
-        return _backward_route(q, kwargs.get("v_dim") or q.shape[2], deterministic,
-                               kwargs.get("kernel", "auto"))
+        return _backward_route(q, kwargs.get("v_dim") or q.shape[2], deterministic)
     if op == "sparse_indexer_loss":
         return _loss_route(arg(0, "q"))
     if op == "sparse_indexer_loss_grad":
@@ -361,13 +359,14 @@ def q_rms_norm(q, eps: float = 1e-6, *, deterministic: bool = True):
 # --------------------------------------------------------------------------------------------
 # section 6: sparse attention with a sink
 # --------------------------------------------------------------------------------------------
+FORWARD_KERNELS = ("auto", "triton", "cudnn_dsa")
+
+
 def _forward_route(q, dv, kernel: str):
     T, H, D = q.shape
     major = _capability(q.device)[0] if q.device.type == "cuda" else 0
     if q.dtype not in HALF:
         return "torch", f"{q.dtype} inputs (the GPU kernels take bf16/fp16)"
-    if kernel == "cudnn_sdpa":
-        return "cudnn_sdpa", "cudnn.pygraph.sdpa on gathered keys (one batch entry per row)"
     dsa_ok = (H, D) in ((64, 512), (64, 576), (128, 512)) and dv == 512
     if kernel == "cudnn_dsa" or (kernel == "auto" and major == 10 and dsa_ok):
         if major != 10 or not dsa_ok:
@@ -385,12 +384,11 @@ def sparse_attention_forward(q, kv, ids, sink, *, scale=None, v_dim=None, length
     repeatable in both modes (one program per output element, fixed reduction order).
 
     ``kernel`` (extension): ``"auto"`` (SM100: cuDNN DSA forward; otherwise Triton),
-    ``"triton"``, ``"cudnn_sdpa"`` (graph SDPA on gathered keys, kept for measurement) or
-    ``"cudnn_dsa"`` (SM100 only).
+    ``"triton"`` or ``"cudnn_dsa"`` (SM100 only).
     """
     q, kv, ids, sink, scale, dv, lengths, _ = validate_attention_forward(
         q, kv, ids, sink, scale, v_dim, lengths, deterministic)
-    kernel = choice(kernel, "kernel", ("auto", "triton", "cudnn_sdpa", "cudnn_dsa"))
+    kernel = choice(kernel, "kernel", FORWARD_KERNELS)
     dev = _require_cuda("q", q)
     reject_nan(sink=sink)
     route, _ = _forward_route(q, dv, kernel)
@@ -406,32 +404,22 @@ def sparse_attention_forward(q, kv, ids, sink, *, scale=None, v_dim=None, length
     valid = (ids >= 0) & (ids < S)
     if lengths is not None:
         valid &= torch.arange(K, device=dev).unsqueeze(0) < lengths.to(torch.int64).unsqueeze(1)
-    cids, clen = _compact(ids, valid)
-    if route == "cudnn_sdpa":
-        sd = importlib.import_module("gpu_impl.kernels_cudnn_sdpa")
-        with torch.cuda.device(dev):
-            return sd.sdpa_gathered_forward(q, kv, cids, clen, sink32, scale, dv)
+    compact_ids, compact_len = _compact(ids, valid)
     dsa = _dsa()
     with torch.cuda.device(dev):
         res = dsa.sparse_attention_forward_wrapper(
-            q.contiguous(), kv.contiguous(), _pad_cols(cids, 64, -1), attn_sink=sink32,
-            topk_length=clen, softmax_scale=float(scale))
+            q.contiguous(), kv.contiguous(), _pad_cols(compact_ids, 64, -1), attn_sink=sink32,
+            topk_length=compact_len, softmax_scale=float(scale))
     return res["out"], res["lse"]
 
 
-# The SM90 deterministic attention backward, chosen per call with ``kernel=``: "split"
-# (gpu_impl.kernels_triton_split: a row pass for dq, P and dS, then column-sliced L2-sized planes
-# for dkv), "planes" (gpu_impl.kernels_triton: one kernel, full-width planes) or "keymajor"
-# (gpu_impl.kernels_triton_keymajor, which falls back to planes where its tiles do not fit). All
-# are bitwise repeatable; "auto" is the fastest as measured on the H200 (docs/CUDNN.md).
-BACKWARD_KERNELS = ("auto", "split", "planes", "keymajor")
-AUTO_BACKWARD_KERNEL = "split"
-_BACKWARD_MODULES = {"split": "gpu_impl.kernels_triton_split",
-                     "planes": "gpu_impl.kernels_triton",
-                     "keymajor": "gpu_impl.kernels_triton_keymajor"}
+# The SM90 deterministic attention backward: one Triton kernel design, "split"
+# (gpu_impl.kernels_triton_split: a row pass for dq, P and dS, then column-sliced fixed-order
+# planes for dkv; bitwise repeatable). ``kernel=`` accepts "auto" (the same) and "split".
+BACKWARD_KERNELS = ("auto", "split")
 
 
-def _backward_route(q, dv, deterministic: bool, kernel: str = "auto"):
+def _backward_route(q, dv, deterministic: bool):
     T, H, D = q.shape
     major = _capability(q.device)[0] if q.device.type == "cuda" else 0
     if q.dtype not in HALF:
@@ -443,10 +431,8 @@ def _backward_route(q, dv, deterministic: bool, kernel: str = "auto"):
     if not deterministic and major == 9 and cudnn_shape:
         return "cudnn", ("cudnn.sparse_attention_backward_wrapper (SM90; dkv/dsink float atomics: "
                          "not repeatable)")
-    kernel = AUTO_BACKWARD_KERNEL if kernel == "auto" else kernel
-    what = {"split": "row pass + column-sliced fixed-order planes",
-            "planes": "fixed-order planes", "keymajor": "key-major dkv, planes fallback"}[kernel]
-    return "triton", f"{_BACKWARD_MODULES[kernel]}.attention_backward ({what})"
+    return "triton", ("gpu_impl.kernels_triton_split.attention_backward (row pass + "
+                      "column-sliced fixed-order planes)")
 
 
 @_no_grad
@@ -456,12 +442,12 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
     """Contract section 6 backward: ``dq`` (q's dtype), ``dkv`` (kv's dtype) and float32
     ``dsink [H]``.
 
-    ``kernel`` (extension) picks the SM90 deterministic kernel: ``"split"`` (row pass, then
-    column-sliced planes), ``"planes"`` (one kernel, full-width planes) or ``"keymajor"``
-    (key-major dkv, planes fallback); ``"auto"`` is :data:`AUTO_BACKWARD_KERNEL`.
+    ``kernel`` (extension): ``"auto"`` or ``"split"``, the one SM90 deterministic kernel
+    (:data:`BACKWARD_KERNELS`; any other name is a ``ValueError``).
 
-    Deterministic mode on SM90 runs a Triton backward: every ``dkv`` element is a fixed-order
-    sum (private planes folded in a fixed order), ``dsink`` a fixed-shape reduction.
+    Deterministic mode on SM90 runs the Triton split backward (row pass, then column-sliced
+    planes): every ``dkv`` element is a fixed-order sum (private planes folded in a fixed
+    order), ``dsink`` a fixed-shape reduction.
     Default mode on SM90 runs cuDNN's SM90 kernel (``dkv`` and ``dsink`` through float atomics:
     NOT bitwise repeatable) on sanitised copies of ids/lengths (invalid slots removed,
     compacted; the kernel assumes every slot inside ``topk_length`` is valid).
@@ -473,7 +459,7 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
     dev = _require_cuda("q", q)
     reject_nan(sink=sink, lse=lse)
     S, K = kv.shape[0], ids.shape[1]
-    route, _ = _backward_route(q, dv, deterministic, kernel)
+    route, _ = _backward_route(q, dv, deterministic)
     if route == "torch":
         return torch_backend.sparse_attention_backward(
             q, kv, ids, sink, out, lse, dout, scale=scale, v_dim=dv, lengths=lengths,
@@ -484,20 +470,20 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
     dout_c = dout.to(q.dtype).contiguous()
     if route == "triton":
         _triton_kernels()                          # a clear error when triton is missing
-        kt = importlib.import_module(
-            _BACKWARD_MODULES[AUTO_BACKWARD_KERNEL if kernel == "auto" else kernel])
+        ks = importlib.import_module("gpu_impl.kernels_triton_split")
         with torch.cuda.device(dev):
-            return kt.attention_backward(q, kv, ids, sink32, out_c, lse32, dout_c, scale, dv,
+            return ks.attention_backward(q, kv, ids, sink32, out_c, lse32, dout_c, scale, dv,
                                          lengths)
     valid = (ids >= 0) & (ids < S)
     if lengths is not None:
         valid &= torch.arange(K, device=dev).unsqueeze(0) < lengths.to(torch.int64).unsqueeze(1)
-    cids, clen = _compact(ids, valid)
+    compact_ids, compact_len = _compact(ids, valid)
     dsa = _dsa()
     with torch.cuda.device(dev):
         res = dsa.sparse_attention_backward_wrapper(
             q.contiguous(), kv.contiguous(), out_c, dout_c, lse32, sink32,
-            _pad_cols(cids, 64, -1), softmax_scale=float(scale), topk_length=clen,
+            _pad_cols(compact_ids, 64, -1), softmax_scale=float(scale),
+            topk_length=compact_len,
             deterministic=deterministic and _capability(dev)[0] == 10)
     return res["dq"], res["dkv"], res["d_sink"]
 

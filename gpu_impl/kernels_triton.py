@@ -10,17 +10,13 @@ accumulates ``dkv`` and ``d_sink`` with float atomics (not repeatable). These ke
   ``+inf`` on rows with no valid slot (whose ``out`` is exactly 0). Invalid slots are never
   read (masked loads), so NaN in unselected key rows cannot leak. One program owns each output
   element and reduces in a fixed order: bitwise repeatable.
-- :func:`attention_backward`: a *deterministic* backward. Program ``g`` owns a contiguous block
-  of query rows and walks them in order. Per row it recomputes ``P`` and ``dS`` (phase 1,
-  kept in a per-program scratch), then per block of head-dim columns computes ``dq`` (written
-  once) and the ``dkv`` contributions ``scale*dS^T q + P^T dO``, which it adds into its
-  *private* float32 plane (read-modify-write, no atomics; a CTA barrier separates rows).
-  Planes hold only the 64-row key tiles a program touches (a tile table built on the device).
-  :func:`fold_planes` then sums the planes of each key tile in program order. Every ``dkv``
-  element is therefore a fixed-order sum: bitwise repeatable, whatever the thread timing.
-  Duplicate valid ids within a row are merged first (their contributions are identical; the
-  first slot carries the multiplicity), so no two active slots of a row touch the same plane
-  row.
+- the building blocks of the deterministic backward (:mod:`gpu_impl.kernels_triton_split`):
+  :func:`row_statistics` (``Delta``, the full normaliser, ``dsink``), :func:`slot_multiplicity`
+  (duplicate valid ids of a row merged onto their first slot), :func:`tile_table` (the layout
+  of program-private float32 planes: only the 64-row key tiles a program touches) and
+  :func:`fold_planes` (each key tile summed over the planes in program order, so every
+  ``dkv`` element is a fixed-order sum); the slot-validity helpers ``_row_slots`` and
+  ``_slot_block`` that every kernel walking a row's slots shares.
 
 Precision (working precision): q/kv/dO operands in their dtype (bf16), every product
 accumulated in float32; ``P`` and ``dS`` rounded once to the operand dtype before the GEMM that
@@ -37,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["attention_forward", "attention_backward", "fold_planes", "tile_table",
-           "slot_multiplicity", "row_statistics", "FORWARD_CONFIG", "BACKWARD_CONFIG"]
+__all__ = ["attention_forward", "fold_planes", "tile_table", "slot_multiplicity",
+           "row_statistics", "FORWARD_CONFIG"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -46,8 +42,6 @@ TILE = 64            # key rows per plane tile (tile table granularity)
 
 # Default launch parameters (chosen by bench/bench_gpu.py on the H200; see docs/CUDNN.md).
 FORWARD_CONFIG = dict(block_n=64, block_d=64, block_dv=512, num_warps=8, num_stages=3)
-BACKWARD_CONFIG = dict(block_n=64, block_d=128, programs_per_sm=1, num_warps=8, num_stages=3,
-                       reduction="planes")
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -172,99 +166,8 @@ def attention_forward(q, kv, ids, sink, scale, dv, lengths=None, *, block_n=None
 
 
 # --------------------------------------------------------------------------------------------
-# deterministic backward
+# building blocks of the deterministic backward
 # --------------------------------------------------------------------------------------------
-@triton.jit
-def _bwd_kernel(q_ptr, kv_ptr, ids_ptr, len_ptr, mult_ptr, do_ptr, full_ptr, delta_ptr,
-                dq_ptr, plane_ptr, table_ptr, kscale_ptr, scratch_ptr,
-                T, H, D, DV, S, K, K_PAD, NT, rows_per_prog, scale, scale_log2,
-                stride_qt, stride_qh, stride_kv, stride_it, stride_dot, stride_doh,
-                HAS_LEN: tl.constexpr, HAS_MULT: tl.constexpr, FIXED_POINT: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                TILE_ROWS: tl.constexpr):
-    g = tl.program_id(0)
-    offs_h = tl.arange(0, BLOCK_H)
-    h_ok = offs_h < H
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    r0 = g * rows_per_prog
-    r1 = tl.minimum(r0 + rows_per_prog, T)
-    scr_p = scratch_ptr + g.to(tl.int64) * (2 * BLOCK_H * K_PAD)
-    scr_ds = scr_p + BLOCK_H * K_PAD
-    scr_rows = offs_h[:, None] * K_PAD
-    table_row = table_ptr + g.to(tl.int64) * NT
-    for t32 in range(r0, r1):
-        t = tl.cast(t32, tl.int64)
-        n_slots = _row_slots(len_ptr, t, K, HAS_LEN)
-        full2 = tl.load(full_ptr + t * H + offs_h, mask=h_ok, other=float("inf"))
-        delta = tl.load(delta_ptr + t * H + offs_h, mask=h_ok, other=0.0)
-        q_row = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
-        do_row = do_ptr + t * stride_dot + offs_h[:, None] * stride_doh
-        # phase 1: P and dS of the row, block by block of slots, into the program's scratch
-        for j0 in range(0, n_slots, BLOCK_N):
-            slot, in_len, valid, sid = _slot_block(ids_ptr + t * stride_it, j0, n_slots, S,
-                                                   offs_n)
-            kv_rows = kv_ptr + sid[:, None] * stride_kv
-            s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-            dp = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-            for d0 in range(0, D, BLOCK_D):
-                dd = d0 + offs_d
-                d_ok = dd < D
-                kc = tl.load(kv_rows + dd[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
-                qc = tl.load(q_row + dd[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-                s += tl.dot(qc, tl.trans(kc))
-                if d0 < DV:
-                    dv_ok = dd < DV
-                    oc = tl.load(do_row + dd[None, :], mask=h_ok[:, None] & dv_ok[None, :],
-                                 other=0.0)
-                    dp += tl.dot(oc, tl.trans(kc))
-            p = tl.exp2(s * scale_log2 - full2[:, None])
-            keep = valid[None, :] & h_ok[:, None]
-            p = tl.where(keep, p, 0.0)
-            ds = tl.where(keep, p * (dp - delta[:, None]), 0.0)
-            tl.store(scr_p + scr_rows + slot[None, :], p.to(q_ptr.dtype.element_ty))
-            tl.store(scr_ds + scr_rows + slot[None, :], ds.to(q_ptr.dtype.element_ty))
-        tl.debug_barrier()
-        # phase 2: per block of head-dim columns, dq (written once) and the dkv contributions
-        for d0 in range(0, D, BLOCK_D):
-            dd = d0 + offs_d
-            d_ok = dd < D
-            qc = tl.load(q_row + dd[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-            oc = tl.load(do_row + dd[None, :], mask=h_ok[:, None] & (dd < DV)[None, :], other=0.0)
-            dq_acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-            for j0 in range(0, n_slots, BLOCK_N):
-                slot, in_len, valid, sid = _slot_block(ids_ptr + t * stride_it, j0, n_slots, S,
-                                                       offs_n)
-                p = tl.load(scr_p + scr_rows + slot[None, :])
-                ds = tl.load(scr_ds + scr_rows + slot[None, :])
-                kc = tl.load(kv_ptr + sid[:, None] * stride_kv + dd[None, :],
-                             mask=valid[:, None] & d_ok[None, :], other=0.0)
-                dq_acc += tl.dot(ds, kc)
-                contrib = tl.dot(tl.trans(ds), qc) * scale + tl.dot(tl.trans(p), oc)
-                if FIXED_POINT:
-                    # integer atomics are associative: the sum's bits do not depend on order
-                    ks = tl.load(kscale_ptr + sid, mask=valid, other=0.0)
-                    fixed = (contrib * ks[:, None]).to(tl.int64)
-                    tl.atomic_add(plane_ptr + sid[:, None] * D + dd[None, :], fixed,
-                                  mask=valid[:, None] & d_ok[None, :], sem="relaxed")
-                else:
-                    active = valid
-                    if HAS_MULT:
-                        mult = tl.load(mult_ptr + t * K + slot, mask=in_len, other=0.0)
-                        active = active & (mult > 0.0)
-                        contrib = contrib * mult[:, None]
-                    base = tl.load(table_row + sid // TILE_ROWS, mask=active, other=0)
-                    prow = base * TILE_ROWS + sid % TILE_ROWS
-                    pptr = plane_ptr + prow[:, None] * D + dd[None, :]
-                    pmask = active[:, None] & d_ok[None, :]
-                    old = tl.load(pptr, mask=pmask, other=0.0, cache_modifier=".cg")
-                    tl.store(pptr, old + contrib, mask=pmask)
-            tl.store(dq_ptr + t * stride_qt + offs_h[:, None] * stride_qh + dd[None, :],
-                     (dq_acc * scale).to(dq_ptr.dtype.element_ty),
-                     mask=h_ok[:, None] & d_ok[None, :])
-        tl.debug_barrier()
-
-
 @triton.jit
 def _fold_kernel(plane_ptr, table_ptr, dkv_ptr, S, D, NT, G, stride_dkv,
                  TILE_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -372,111 +275,6 @@ def tile_table(ids: torch.Tensor, active: torch.Tensor, num_keys: int, programs:
     table = torch.where(touched, start.unsqueeze(1) + local, torch.full_like(local, -1))
     total = int(count.sum())
     return table.contiguous(), nt, total
-
-
-def _fixed_point_scales(q, kv, dout, delta, valid, ids, scale, dv):
-    """Per key row ``s``, a power of two ``2^k_s`` such that the sum of the magnitudes of every
-    contribution to ``dkv[s]``, times ``2^k_s``, stays below ``2^62`` (int64 cannot overflow):
-    ``|c| <= R = H (scale max|q| (max_h |dO_h| max_s |v_s| + max|Delta|) + max|dO|)`` per slot
-    (``|P| <= 1``, ``|dS| <= |dP| + |Delta|``, Cauchy-Schwarz), ``count_s`` slots hold ``s``.
-    Returns ``(kscale float32 [S], inverse float64 [S])`` or ``None`` when a bound is not
-    finite (non-finite inputs: the plane path then propagates NaN/inf as the contract says)."""
-    f64 = torch.float64
-    T, H, D = q.shape
-    S = kv.shape[0]
-    flat = ids.to(torch.int64)[valid]
-    count = torch.bincount(flat, minlength=S)[:S]
-    used = count > 0
-    vnorm = kv[:, :dv].to(f64).norm(dim=1)
-    vmax = torch.where(used, vnorm, torch.zeros_like(vnorm)).max()
-    r = H * (scale * q.to(f64).abs().max() * (dout.to(f64).norm(dim=-1).max() * vmax
-                                               + delta.to(f64).abs().max())
-             + dout.to(f64).abs().max())
-    r = 2.0 * r + 1e-30                                    # slack for float32 rounding
-    bound = count.to(f64) * r
-    if not bool(torch.isfinite(bound).all()):
-        return None
-    k = 62 - torch.ceil(torch.log2(torch.where(used, bound, torch.ones_like(bound))))
-    k = torch.where(used, k, torch.zeros_like(k)).clamp(-120, 120)
-    return torch.exp2(k).to(torch.float32).contiguous(), torch.exp2(-k)
-
-
-def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None, *,
-                       block_n=None, block_d=None, programs=None, num_warps=None,
-                       num_stages=None, reduction=None):
-    """Deterministic section 6 backward: ``dq`` (q's dtype), ``dkv`` (kv's dtype) and float32
-    ``dsink``. Same argument conventions as :func:`attention_forward`; ``out``/``dout`` are
-    ``[T,H,Dv]``, ``lse`` float32 ``[T,H]`` (KV-only, +inf on empty rows).
-
-    ``reduction``: ``"planes"`` (program-private float32 planes folded in program order) or
-    ``"fixed"`` (contributions scaled by a per-key power of two, rounded to int64 and added
-    with integer atomics, which are associative; converted back once). Both are bitwise
-    repeatable; ``"fixed"`` falls back to ``"planes"`` when its bound is not finite."""
-    cfg = dict(BACKWARD_CONFIG)
-    for k_, v_ in (("block_n", block_n), ("block_d", block_d), ("num_warps", num_warps),
-                   ("num_stages", num_stages), ("reduction", reduction)):
-        if v_ is not None:
-            cfg[k_] = v_
-    T, H, D = q.shape
-    S, K = kv.shape[0], ids.shape[1]
-    dev = q.device
-    q = q.contiguous()
-    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
-    dout = dout.contiguous()
-    ids = ids.contiguous()
-    f32 = torch.float32
-    dq = torch.empty_like(q)
-    if T == 0 or K == 0 or S == 0:
-        dq.zero_()
-        return dq, torch.zeros((S, D), dtype=kv.dtype, device=dev), torch.zeros(
-            H, dtype=f32, device=dev)
-    delta, full2, dsink = row_statistics(out, lse, dout, sink)
-    # Slot validity; the reduction's layout.
-    slot = torch.arange(K, device=dev).unsqueeze(0)
-    valid = (ids >= 0) & (ids < S)
-    if lengths is not None:
-        valid &= slot < lengths.to(torch.int64).clamp(0, K).unsqueeze(1)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-    g = programs if programs is not None else sms * cfg["programs_per_sm"]
-    g = max(1, min(int(g), T))
-    rows_per_prog = -(-T // g)
-    g = -(-T // rows_per_prog)
-    scales = None
-    if cfg.get("reduction", "planes") == "fixed":
-        scales = _fixed_point_scales(q, kv, dout, delta, valid, ids, scale, dv)
-    mult = None
-    if scales is not None:
-        acc = torch.zeros((S, D), dtype=torch.int64, device=dev)
-        table, nt, kscale = acc, 1, scales[0]
-    else:
-        mult = slot_multiplicity(ids, valid)
-        active = valid if mult is None else (mult > 0)
-        table, nt, total = tile_table(ids, active, S, g, rows_per_prog)
-        acc = torch.zeros((max(total, 1) * TILE, D), dtype=f32, device=dev)
-        kscale = delta
-    block_h = _pow2(H)
-    block_n = cfg["block_n"]
-    block_d = min(cfg["block_d"], _pow2(D))
-    k_pad = -(-K // block_n) * block_n
-    scratch = torch.empty((g, 2, block_h, k_pad), dtype=q.dtype, device=dev)
-    lens = lengths.contiguous() if lengths is not None else ids
-    mult_arg = mult if mult is not None else delta
-    _bwd_kernel[(g,)](q, kv, ids, lens, mult_arg, dout, full2, delta.contiguous(),
-                      dq, acc, table, kscale, scratch,
-                      T, H, D, dv, S, K, k_pad, nt, rows_per_prog, float(scale),
-                      float(scale) * LOG2E,
-                      q.stride(0), q.stride(1), kv.stride(0), ids.stride(0),
-                      dout.stride(0), dout.stride(1),
-                      HAS_LEN=lengths is not None, HAS_MULT=mult is not None,
-                      FIXED_POINT=scales is not None,
-                      BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, TILE_ROWS=TILE,
-                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if scales is not None:
-        dkv = (acc.to(torch.float64) * scales[1].unsqueeze(1)).to(kv.dtype)
-    else:
-        dkv = torch.empty((S, D), dtype=kv.dtype, device=dev)
-        fold_planes(acc, table, dkv, g, nt)
-    return dq, dkv, dsink
 
 
 def fold_planes(planes, table, dkv, programs: int, num_tiles: int, block_d: int = 128):

@@ -1,17 +1,17 @@
 """Split deterministic attention backward: a row pass, then column-sliced fixed-order planes
 (contract section 6).
 
-Why: the one-kernel planes backward (:mod:`gpu_impl.kernels_triton`) adds every ``dkv``
-contribution into program-private float32 planes of the full head dim; with one program per SM
-those planes are ~345 MB at T=4096, far beyond the H200's 50 MB L2, so every contribution is an
-HBM read-modify-write, and each program's long chain of them runs latency-bound (docs/CUDNN.md,
-"Performance miss"). Here the work is split in two passes, so that the contributions are formed
-from stored ``P``/``dS`` by many small programs:
+Why two passes: a single kernel that adds every ``dkv`` contribution into program-private
+float32 planes of the full head dim needs, with one program per SM, ~345 MB of planes at
+T=4096, far beyond the H200's 50 MB L2, so every contribution is an HBM read-modify-write and
+each program's long chain of them runs latency-bound (docs/CUDNN.md). Here the work is split in
+two passes, so that the contributions are formed from stored ``P``/``dS`` by many small
+programs:
 
 1. :func:`row_pass` (``_row_kernel``): one program per query row (all heads), like the forward:
    gather the row's selected keys block by block, recompute ``S`` and ``dP``, form ``P`` and
    ``dS``, accumulate ``dq`` in registers (written once) and, when asked, store ``P`` and
-   ``dS`` (operand dtype, the same single rounding the planes kernel applies) into a
+   ``dS`` (rounded once to the operand dtype, as flash-attention kernels do) into a
    ``[rows, H_pad, K_pad]`` buffer.
 2. ``_dkv_kernel``: program ``(g, c)`` owns row group ``g`` (a contiguous block of rows) and
    head-dim column slice ``c``. It walks its rows in order and, per block of slots, reads
@@ -29,12 +29,13 @@ from stored ``P``/``dS`` by many small programs:
 
 Every ``dkv`` element is therefore a fixed-order sum (row order inside a group, group order in
 the fold): bitwise repeatable, whatever the thread timing. Duplicate valid ids within a row are
-merged first (the first slot carries the multiplicity, as in the planes kernel). Rows are
-processed in chunks of whole groups so that the ``P``/``dS`` buffer stays under
-``max_buffer_bytes``.
+merged first (:func:`gpu_impl.kernels_triton.slot_multiplicity`: the first slot carries the
+multiplicity). Rows are processed in chunks of whole groups so that the ``P``/``dS`` buffer
+stays under ``max_buffer_bytes``.
 
-Precision: as :mod:`gpu_impl.kernels_triton` (operands bf16, float32 accumulation, ``P``/``dS``
-rounded once to the operand dtype, ``dq``/``dkv`` rounded once from float32).
+Precision: as the forward in :mod:`gpu_impl.kernels_triton` (operands bf16, float32
+accumulation, ``P``/``dS`` rounded once to the operand dtype, ``dq``/``dkv`` rounded once from
+float32).
 
 Importing this module needs triton; nothing here runs at import time.
 """
@@ -244,9 +245,10 @@ def row_pass(q, kv, ids, lengths, dout, full2, delta, scale, dv, *, dq=None, row
 
 def attention_backward(q, kv, ids, sink, out, lse, dout, scale, dv, lengths=None, *,
                        stats: dict | None = None, **overrides):
-    """Deterministic section 6 backward (``dq``, ``dkv``, float32 ``dsink``) with the same
-    argument conventions as :func:`gpu_impl.kernels_triton.attention_backward` (arguments
-    already validated). ``overrides`` replace :data:`SPLIT_CONFIG` entries; ``stats``, when
+    """Deterministic section 6 backward (``dq``, ``dkv``, float32 ``dsink``), arguments already
+    validated, with the conventions of :func:`gpu_impl.kernels_triton.attention_forward`:
+    ``out``/``dout`` ``[T,H,Dv]``, ``lse`` float32 ``[T,H]`` (KV-only, +inf on empty rows),
+    ``sink`` float32 ``[H]``. ``overrides`` replace :data:`SPLIT_CONFIG` entries; ``stats``, when
     given, receives the layout (groups, column slices, plane and buffer bytes, chunks); with
     ``stats["time"] = True`` also the milliseconds of each phase (CUDA events; this adds
     synchronisations, so time whole calls without it)."""

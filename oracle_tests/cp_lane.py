@@ -1,6 +1,8 @@
-"""Shared pieces of the context-parallel test lane (``test_cp_*.py``): small CP cases, the
-cp=1 oracle pipeline on them, and a spawner that runs a function on ``cp`` processes of a
-``torch.distributed`` group with a hard deadline (a hang becomes a failure, never a stuck CI).
+"""Shared pieces of the context-parallel test lane (``test_cp_*.py``): small CP cases (their
+cp=1 reference is ``dsv4_oracle.conformance.oracle_outputs``, the conformance stage table), the
+gathering of the ranks' results into the cp=1 form, and a spawner that runs a function on ``cp``
+processes of a ``torch.distributed`` group with a hard deadline (a hang becomes a failure,
+never a stuck CI).
 
 Cases are tiny on purpose (the whole CP lane must stay well under a minute on 2 cores) but
 exercise what broke CP in practice: documents crossing rank boundaries, padding and empty
@@ -19,9 +21,10 @@ import traceback
 import torch
 
 import reference as R
+from dsv4_oracle.conformance import applies
 from fixtures.case import Case
 
-__all__ = ["CASES", "gather_ranks", "make_inputs", "oracle_cp1", "spawn", "local_inputs",
+__all__ = ["CASES", "gather_ranks", "make_inputs", "spawn", "local_inputs",
            "rank_main"]
 
 
@@ -70,40 +73,6 @@ def make_inputs(case: Case):
     return case.materialize()
 
 
-def oracle_cp1(case: Case, x):
-    """The cp=1 oracle pipeline on the (rounded) inputs ``x``: indexer scores -> stable Top-K
-    -> compressed-first rows -> attention forward/backward -> indexer loss and its gradient."""
-    lay = case.layout()
-    T = lay.num_rows
-    res = {}
-    cids = scores = None
-    if case.ratio == 4:
-        scores = R.indexer_scores(x["q_idx"], x["k_idx"], x["weights"], lay, case.ratio)
-        cids, _ = R.stable_topk(scores, case.topk)
-        res.update(scores=scores, compressed_ids=cids)
-    if case.ratio:
-        ids, lengths = R.build_csa_indices(lay, window=case.window, ratio=case.ratio,
-                                           compressed_ids=cids)
-    else:
-        ids, lengths = R.build_csa_indices(lay, window=case.window, ratio=0)
-    keys = x["kv"].double()                       # the logical key buffer [T + C, D]
-    out, lse = R.sparse_attention_forward(x["q"], keys, ids, x["sink"], v_dim=case.v_dim,
-                                          lengths=lengths)
-    dq, dkv, dsink = R.sparse_attention_backward(x["q"], keys, ids, x["sink"], out, lse,
-                                                 x["dout"], v_dim=case.v_dim, lengths=lengths)
-    res.update(ids=ids, lengths=lengths, keys=keys, out=out, lse=lse, dq=dq, dkv=dkv[:T],
-               dkv_cmp=dkv[T:], dkv_all=dkv, dsink=dsink)
-    if case.ratio == 4:
-        loss = R.sparse_indexer_loss(x["q"], x["kv_cmp"], x["sink"], lse, cids, scores, lay,
-                                     coeff=case.coeff)
-        dq_idx, dw, dk_idx = R.sparse_indexer_loss_grad(
-            x["q_idx"], x["k_idx"], x["weights"], cids, loss.target, loss.predict,
-            coeff=case.coeff, num_real=lay.num_real)
-        res.update(loss=loss.loss, kl=loss.kl, target=loss.target, predict=loss.predict,
-                   dq_idx=dq_idx, dw=dw, dk_idx=dk_idx)
-    return res
-
-
 # -- gathering the ranks' results into the cp=1 form ------------------------------------------
 def gather_ranks(case, cp, runs):
     """The ranks' results (one dict per rank, rank order) as one cp=1 result dict."""
@@ -123,14 +92,14 @@ def gather_ranks(case, cp, runs):
         dkv.append(torch.cat([r["dkv_cmp"] for r in runs]))
     got["dkv"] = torch.cat(dkv)
     got["dsink"] = runs[0]["dsink"]
-    if case.layer == "csa":
+    if applies("stable_topk", case):
         slot_to_cid = torch.full((cp * plans[0].cmp_capacity,), -1, dtype=torch.int64)
         slot_to_cid[plans[0].group_slot] = torch.arange(lay.num_compressed(case.ratio))
-        cids = []
+        cmp_ids = []
         for r in runs:
             s = r["compressed_ids"].to(torch.int64)
-            cids.append(torch.where(s >= 0, slot_to_cid[s.clamp_min(0)], -1))
-        got["cmp_ids"] = torch.cat(cids).to(torch.int32)
+            cmp_ids.append(torch.where(s >= 0, slot_to_cid[s.clamp_min(0)], -1))
+        got["cmp_ids"] = torch.cat(cmp_ids).to(torch.int32)
         got["cmp_lengths"] = (got["cmp_ids"] >= 0).sum(dim=1).to(torch.int32)
         got["scores"] = torch.cat([r["index_scores"][:, plans[0].group_slot] for r in runs])
         got["loss"] = runs[0]["loss"]
@@ -233,7 +202,7 @@ def run_layer(case: Case, loc, *, dtype_backward=True, deterministic=True, backe
     from gpu_impl.cp import cp_csa_layer
     leaves = {k: loc[k].detach().clone().requires_grad_(True)
               for k in ("q", "kv", "sink", "kv_cmp", "q_idx", "weights", "k_idx") if k in loc}
-    csa = "q_idx" in loc
+    csa = applies("indexer_scores", case)
     kwargs = dict(window=window or case.window, ratio=case.ratio,
                   kv_cmp=leaves.get("kv_cmp"), q_idx=leaves.get("q_idx"),
                   k_idx=leaves.get("k_idx"), weights=leaves.get("weights"),

@@ -72,9 +72,9 @@ def test_quick_bench_flop_counts_follow_the_stated_formulas(quick_report):
 def test_quick_bench_dense_form_computes_the_oracles_numbers(quick_report):
     report, _ = quick_report
     ag = report["agreement"]
-    assert ag["ids_equal"] and ag["lengths_equal"] and ag["compressed_ids_equal"]
+    assert ag["ids_equal"] and ag["lengths_equal"] and ag["cmp_ids_equal"]
     ratios = {k: v for k, v in ag.items()
-              if k not in ("ids_equal", "lengths_equal", "compressed_ids_equal", "passed",
+              if k not in ("ids_equal", "lengths_equal", "cmp_ids_equal", "passed",
                            "worst_ratio", "threads", "peak_rss_bytes")}
     assert set(ratios) == {"scores", "out", "lse", "dq", "dkv", "dsink", "loss", "kl", "target",
                            "predict", "dq_idx", "dw", "dk_idx"}
@@ -87,3 +87,47 @@ def test_bench_rejects_bad_arguments():
     assert proc.returncode == 2 and "--T" in proc.stderr
     proc = run_bench("--quick", "--threads", "0", timeout=60)
     assert proc.returncode == 2 and "--threads" in proc.stderr
+
+
+def _bench_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_oracle", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_oracle", mod)        # its dataclasses look themselves up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_oracle_pipeline_is_the_stage_table_and_agreement_uses_compare_numeric():
+    """In process, at the quick shape: the benchmark's oracle pipeline yields exactly the
+    outputs of the conformance stages (their names) with the bits of ``oracle_outputs``, and
+    every stage is timed; ``check_agreement`` passes the oracle against itself and
+    reports, for a perturbed output, the ratio and verdict of ``compare.compare_numeric``."""
+    import torch
+
+    from dsv4_oracle import conformance
+    from dsv4_oracle.compare import compare_numeric
+    from reference import error_model as em
+    bo = _bench_module()
+    shape = bo.quick_shape()
+    x = bo.make_inputs(shape)
+    timer = bo.StageTimer()
+    o = bo.oracle_pipeline(shape, x, timer)
+    case = bo.bench_case(shape)
+    assert set(o) == {w for st in conformance.STAGES if conformance.applies(st.op, case)
+                      for w in st.writes}
+    ref = conformance.oracle_outputs(case, x)
+    assert all(torch.equal(o[k], ref[k]) for k in ref)
+    assert set(timer.seconds) == set(STAGES)
+    same = bo.check_agreement(shape, o, o)
+    assert same["passed"], same              # the loss gradients: vs mode="autograd", not 0
+    assert all(same[k] == 0.0 for k in ("scores", "out", "lse", "dq", "dkv", "dsink", "loss",
+                                        "kl", "target", "predict")), same
+    bad = dict(o, dsink=o["dsink"] * 1.5)
+    ag = bo.check_agreement(shape, o, bad)
+    b = em.attention_backward_bound(x["q"], x["kv"], o["ids"], x["sink"], o["out"], o["lse"],
+                                    x["dout"], o["dq"], o["dkv"], o["dsink"],
+                                    precision=em.ORACLE_PRECISION, lengths=o["lengths"])[2]
+    want = compare_numeric("dsink", bad["dsink"], o["dsink"], b)
+    assert not want.passed and not ag["passed"]
+    assert ag["dsink"] == want.ratio

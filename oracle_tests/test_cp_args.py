@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import reference as R
+from dsv4_oracle.conformance import oracle_outputs
 from gpu_impl.cp import cp_geometry, owned_group_counts
 from reference.cp import MAX_CP
 from reference.cp_plan import cp_halo_width, cp_plans, cp_rank_expected, cp_reduce_partials
 
-from .cp_lane import CASES, make_inputs, oracle_cp1
+from .cp_lane import CASES, make_inputs
 
 EMPTY = R.PackedLayout([0])
 LAY = R.PackedLayout([0, 5, 9], [0, 8, 16], 16)
@@ -44,10 +45,10 @@ def test_max_cp_itself_is_accepted():
 def _bad_expected(**kw):
     case = CASES["csa"]
     x = make_inputs(case)
-    o = oracle_cp1(case, x)
+    o = oracle_outputs(case, x)
     plan = cp_plans(case.layout(), 2, window=case.window, ratio=case.ratio)[1]
     args = dict(q=x["q"], kv=x["kv_raw"], sink=x["sink"], ids=o["ids"], lengths=o["lengths"],
-                kv_cmp=x["kv_cmp"], dout=x["dout"], compressed_ids=o["compressed_ids"],
+                kv_cmp=x["kv_cmp"], dout=x["dout"], compressed_ids=o["cmp_ids"],
                 index_scores=o["scores"], q_idx=x["q_idx"], k_idx=x["k_idx"],
                 weights=x["weights"], coeff=case.coeff, v_dim=case.v_dim)
     for k, v in kw.items():

@@ -8,11 +8,10 @@ where most ops fall back to the torch backend or run the Triton kernels).
   cuDNN kernels (H 64, D 512/576, H_I 64, D_I 128) through the whole layer pipeline, with every
   op except ``build_csa_indices`` on cuDNN/Triton (asserted), judged against the oracle on the
   consumed inputs (``reference.error_model`` ratios) in deterministic and default modes;
-  bitwise replays and grad-mode parity of the deterministic mode; the Triton fixed-order
-  backward under heavy contention, duplicates and many plane tiles (replays and oracle); the
-  cuDNN graph-SDPA forward on gathered keys; sanitised copies (hostile ids reach cuDNN's
-  backward, the caller's tensors are untouched); bad inputs rejected before any launch with the
-  CUDA context healthy afterwards.
+  bitwise replays and grad-mode parity of the deterministic mode; sanitised copies (hostile ids
+  reach cuDNN's backward, the caller's tensors are untouched); bad inputs rejected before any
+  launch with the CUDA context healthy afterwards. The Triton deterministic backward's own
+  stress cases are in ``test_impl_det_backward.py``.
 - ``sm100``: the cuDNN deterministic kernels (written to cuDNN's documented contract; they
   cannot run on the H200 and skip there).
 """
@@ -136,6 +135,32 @@ def test_bad_arguments_are_named_before_any_device_check():
         cb.stable_topk(torch.randn(3, 5), -1)
 
 
+@pytest.mark.parametrize("kernel", ["planes", "keymajor", "fixed"])
+def test_removed_backward_kernels_are_refused_by_name(kernel):
+    """``kernel=`` of the attention backward accepts only the surviving names ("auto",
+    "split"): a removed design is a ValueError naming the argument, before any device check."""
+    from gpu_impl import cudnn_backend as cb
+    q = torch.randn(4, 2, 16).to(torch.bfloat16)
+    kv = torch.randn(8, 16).to(torch.bfloat16)
+    ids = torch.zeros(4, 3, dtype=torch.int32)
+    out, dout = torch.zeros_like(q), torch.zeros_like(q)
+    lse, sink = torch.zeros(4, 2), torch.zeros(2)
+    assert cb.BACKWARD_KERNELS == ("auto", "split")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        cb.sparse_attention_backward(q, kv, ids, sink, out, lse, dout, kernel=kernel)
+
+
+def test_removed_forward_kernel_is_refused_by_name():
+    """The graph-SDPA forward is gone: ``kernel="cudnn_sdpa"`` is a ValueError naming
+    ``kernel``, before any device check."""
+    from gpu_impl import cudnn_backend as cb
+    q = torch.randn(4, 2, 16).to(torch.bfloat16)
+    kv = torch.randn(8, 16).to(torch.bfloat16)
+    ids = torch.zeros(4, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        cb.sparse_attention_forward(q, kv, ids, torch.zeros(2), kernel="cudnn_sdpa")
+
+
 # --------------------------------------------------------------------------------------------
 # GPU lane: cuDNN-shaped layers against the oracle
 # --------------------------------------------------------------------------------------------
@@ -175,7 +200,8 @@ def test_cudnn_shaped_layer_replays_and_grad_modes(replays):
 
 
 # --------------------------------------------------------------------------------------------
-# GPU lane: the Triton fixed-order backward (any CUDA GPU with triton)
+# GPU lane: attention inputs and the deterministic-backward judge (shared with
+# test_impl_det_backward.py), cuDNN's default backward
 # --------------------------------------------------------------------------------------------
 def _attention_inputs(T, H, D, S, K, *, seed, dv=None, dup_keys=None, hostile=False):
     g = torch.Generator().manual_seed(seed)
@@ -224,41 +250,6 @@ def _judge_backward(q, kv, ids, sink, lengths, out, lse, dout, got, dv):
             zip(("dq", "dkv", "dsink"), got, (dq_o, dkv_o, ds_o), b)]
 
 
-@pytest.mark.parametrize("shape", [
-    dict(T=2048, H=16, D=64, S=24, K=64, dup_keys=24),          # thousands of rows per key
-    dict(T=600, H=64, D=576, dv=512, S=5000, K=96),              # many plane tiles
-    dict(T=300, H=5, D=48, dv=32, S=200, K=40, hostile=True),    # odd shapes, hostile ids
-], ids=["contention", "many-tiles-d576", "hostile-odd"])
-@pytest.mark.parametrize("reduction", ["planes", "fixed"])
-@on_gpu
-def test_triton_fixed_order_backward(shape, reduction, replays):
-    """The one-kernel deterministic backward's two order-free reductions (private planes folded
-    in program order; per-key fixed point with integer atomics): bitwise replays (at least 5) under heavy
-    contention and duplicate ids, and agreement with the oracle (error-model ratios)."""
-    from gpu_impl import cudnn_backend as cb
-    from gpu_impl import kernels_triton as kt
-    shape = dict(shape)
-    dv = shape.pop("dv", None)
-    q, kv, ids, lengths, sink, dout = (t.cuda() for t in _attention_inputs(**shape, seed=7, dv=dv))
-    dv = dv or q.shape[2]
-    out, lse = cb.sparse_attention_forward(q, kv, ids, sink, v_dim=dv, lengths=lengths)
-    assert cb.describe("sparse_attention_backward", q, kv, ids, sink, out, lse, dout,
-                       v_dim=dv).startswith("triton")
-
-    def run():
-        if reduction == kt.BACKWARD_CONFIG["reduction"]:      # through the backend's checks
-            dq, dkv, ds = cb.sparse_attention_backward(q, kv, ids, sink, out, lse, dout,
-                                                       v_dim=dv, lengths=lengths,
-                                                       deterministic=True, kernel="planes")
-        else:
-            dq, dkv, ds = kt.attention_backward(q, kv, ids, sink, out, lse, dout,
-                                                q.shape[2] ** -0.5, dv, lengths,
-                                                reduction=reduction)
-        return {"dq": dq, "dkv": dkv, "dsink": ds}
-    assert_deterministic_backward(run, (q, kv, ids, sink, lengths, out, lse, dout), dv, replays,
-                                  f"triton bwd ({reduction}) {shape}")
-
-
 @on_sm90
 def test_cudnn_default_backward_on_sanitised_copies():
     """Default mode on SM90 runs cuDNN's backward: hostile ids and lengths are sanitised on
@@ -275,24 +266,6 @@ def test_cudnn_default_backward_on_sanitised_copies():
     assert content_hash(dict(ids=ids, lengths=lengths, out=out, lse=lse)) == before
     assert_verdicts(_judge_backward(q, kv, ids, sink, lengths, out, lse, dout, got, 512),
                     "cudnn default backward, hostile ids")
-
-
-@on_sm90
-def test_cudnn_sdpa_gathered_forward():
-    """The measured alternative forward (graph SDPA on gathered keys) against the oracle."""
-    from gpu_impl import cudnn_backend as cb
-    q, kv, ids, lengths, sink, _d = (t.cuda() for t in _attention_inputs(
-        T=128, H=64, D=512, S=400, K=64, seed=9))
-    sink[0] = -1.0                         # the Stats -> lse conversion needs a finite sink
-    lengths = lengths.clamp_min(1)
-    out, lse = cb.sparse_attention_forward(q, kv, ids, sink, lengths=lengths, kernel="cudnn_sdpa")
-    c = [t.cpu() for t in (q, kv, ids, sink, lengths)]
-    o_o, l_o = R.sparse_attention_forward(c[0], c[1], c[2], c[3], lengths=c[4])
-    b_o, b_l = EM.attention_forward_bound(c[0], c[1], c[2], c[3], o_o, l_o,
-                                          precision=CUDNN_CUDA.precision(torch.bfloat16),
-                                          lengths=c[4])
-    assert_verdicts([bounded("out", out, o_o, b_o), bounded("lse", lse, l_o, b_l)],
-                    "cudnn graph SDPA on gathered keys")
 
 
 @on_gpu

@@ -1,17 +1,16 @@
-"""The alternative deterministic attention backwards: split (:mod:`gpu_impl.kernels_triton_split`,
-row pass + column-sliced planes) and key-major (:mod:`gpu_impl.kernels_triton_keymajor`); the
-fixed-order indexer-loss gradient (:mod:`gpu_impl.kernels_triton_indexer_grad`). The
-one-kernel planes backward is tested in ``test_impl_cudnn.py``.
+"""The deterministic SM90 attention backward (:mod:`gpu_impl.kernels_triton_split`, row pass +
+column-sliced planes) and the fixed-order indexer-loss gradient
+(:mod:`gpu_impl.kernels_triton_indexer_grad`).
 
 - CPU (where triton is installed; skipped otherwise): the kernels under the Triton interpreter
   (``TRITON_INTERPRET=1``, in a subprocess so the interpreter choice cannot leak into other
   tests) on small float16 cases with duplicate and hostile ids, judged against the float64
   oracle through the error model; the split kernel with its P/dS buffer forced into several
-  row chunks; the key-major fallback to the planes kernel for spread ids.
+  row chunks.
 - GPU (``gpu``; Triton only, no cuDNN needed): bf16 cases (heavy contention with duplicates, odd
   shapes with hostile ids, a CSA-like H 64 / D 512 case with window and compressed keys): the
-  kernel's own route is taken, bitwise replays, inputs untouched, error-model ratios against
-  the oracle, through the backend's deterministic route with ``kernel=``.
+  split route is taken, bitwise replays, inputs untouched, error-model ratios against the
+  oracle, through the backend's deterministic route.
 - The indexer-loss gradient: under the interpreter (duplicates, hostile ids, an empty row,
   several row chunks) and on the GPU (contention of thousands of slots per key, hostile ids,
   DSv4 head shapes) through the backend's deterministic route: bitwise replays, grad-mode
@@ -46,7 +45,7 @@ _INTERPRETED = textwrap.dedent("""
     import importlib
     from oracle_tests.impl_harness import CUDNN_CUDA
     from dsv4_oracle.compare import compare_numeric
-    T, H, D, DV, S, K, spread, module, options = json.loads(sys.argv[1])
+    T, H, D, DV, S, K, module, options = json.loads(sys.argv[1])
     km = importlib.import_module("gpu_impl." + module)
     g = torch.Generator().manual_seed(5)
     dt = torch.float16
@@ -55,16 +54,14 @@ _INTERPRETED = textwrap.dedent("""
     dout = torch.randn(T, H, DV, generator=g).to(dt)
     sink = torch.randn(H, generator=g)
     sink[0] = -float("inf")
-    if spread:                        # every row picks keys all over a large S
-        ids = torch.randint(0, S, (T, K), generator=g)
-    else:                             # a causal window plus a few shared keys, duplicates
-        t = torch.arange(T).unsqueeze(1)
-        ids = torch.cat([t - torch.arange(K // 2), torch.randint(0, 8, (T, K - K // 2),
-                                                                  generator=g)], 1)
-        ids[:, 1] = ids[:, 0]
-        bad = torch.tensor([-2 ** 31, -1, S, S + 5, 2 ** 31 - 1])
-        m = torch.rand(T, K, generator=g) < 0.15
-        ids = torch.where(m, bad[torch.randint(0, 5, (T, K), generator=g)], ids)
+    # a causal window plus a few shared keys, duplicates, hostile ids
+    t = torch.arange(T).unsqueeze(1)
+    ids = torch.cat([t - torch.arange(K // 2), torch.randint(0, 8, (T, K - K // 2),
+                                                              generator=g)], 1)
+    ids[:, 1] = ids[:, 0]
+    bad = torch.tensor([-2 ** 31, -1, S, S + 5, 2 ** 31 - 1])
+    m = torch.rand(T, K, generator=g) < 0.15
+    ids = torch.where(m, bad[torch.randint(0, 5, (T, K), generator=g)], ids)
     ids = ids.to(torch.int32)
     lengths = torch.randint(0, K + 3, (T,), generator=g).to(torch.int32)
     lengths[2] = -1
@@ -147,7 +144,6 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed (the interpreter lane needs it)")
 
 
-KEYMAJOR_SMALL = dict(block_m=32, block_s=16, programs_per_sm=2, max_dense_ratio=1e6)
 # split: narrow column slices and small slot blocks so that every slice/block path runs; a
 # 1-byte buffer budget forces one row group per chunk (many chunks)
 SPLIT_SMALL = dict(block_d=16, block_n=16, dkv_block_n=32)
@@ -157,28 +153,17 @@ SPLIT_CHUNKED = dict(SPLIT_SMALL, max_buffer_bytes=1)
 @needs_triton
 @pytest.mark.parametrize("shape", [(40, 4, 32, 32, 60, 12), (33, 3, 48, 32, 50, 10)],
                          ids=["h4-d32", "odd-h3-d48-dv32"])
-@pytest.mark.parametrize("module,options,route", [
-    ("kernels_triton_keymajor", KEYMAJOR_SMALL, "keymajor"),
-    ("kernels_triton_split", SPLIT_SMALL, "split"),
-    ("kernels_triton_split", SPLIT_CHUNKED, "split")], ids=["keymajor", "split", "split-chunked"])
-def test_interpreted_against_oracle(shape, module, options, route):
-    """The kernels (duplicates, hostile ids, bad lengths, empty rows, a -inf sink) agree with
-    the float64 oracle within the error model; the caller's tensors are untouched."""
-    res = _interpret(list(shape) + [False, module, options])
-    assert res["stats"]["route"] == route, res
+@pytest.mark.parametrize("options", [SPLIT_SMALL, SPLIT_CHUNKED], ids=["split", "split-chunked"])
+def test_interpreted_against_oracle(shape, options):
+    """The split kernel (duplicates, hostile ids, bad lengths, empty rows, a -inf sink) agrees
+    with the float64 oracle within the error model; the caller's tensors are untouched."""
+    res = _interpret(list(shape) + ["kernels_triton_split", options])
+    assert res["stats"]["route"] == "split", res
     if options is SPLIT_CHUNKED:
         assert res["stats"]["chunks"] == res["stats"]["groups"] > 1, res
     assert res["untouched"], res
     bad = {k: v for k, v in res["ratios"].items() if not v[0]}
     assert not bad, f"error-model ratios exceeded: {res['ratios']}"
-
-
-@needs_triton
-def test_keymajor_falls_back_to_planes_for_spread_ids():
-    res = _interpret([24, 2, 16, 16, 4000, 8, True, "kernels_triton_keymajor",
-                      dict(KEYMAJOR_SMALL, max_dense_ratio=4.0)])
-    assert res["stats"]["route"] == "planes" and "spread" in res["stats"]["why"], res
-    assert not {k: v for k, v in res["ratios"].items() if not v[0]}, res["ratios"]
 
 
 def _csa_like_inputs(T, seed):
@@ -206,16 +191,16 @@ def _csa_like_inputs(T, seed):
 
 @pytest.mark.parametrize("shape", [
     dict(T=2048, H=16, D=64, S=24, K=64, dup_keys=24),          # thousands of rows per key
+    dict(T=600, H=64, D=576, dv=512, S=5000, K=96),              # many plane tiles
     dict(T=300, H=5, D=48, dv=32, S=200, K=40, hostile=True),    # odd shapes, hostile ids
     "csa-like",
-], ids=["contention", "hostile-odd", "csa-like-h64-d512"])
-@pytest.mark.parametrize("kernel", ["split", "keymajor"])
+], ids=["contention", "many-tiles-d576", "hostile-odd", "csa-like-h64-d512"])
 @pytest.mark.gpu
-def test_det_backward_gpu(shape, kernel, replays, monkeypatch):
+def test_det_backward_gpu(shape, replays):
     """Bitwise replays (at least 5), inputs untouched, oracle error-model ratios; through the
-    backend's deterministic route with the kernel selected."""
+    backend's deterministic route (the split kernel)."""
     from gpu_impl import cudnn_backend as cb
-    km = importlib.import_module(f"gpu_impl.kernels_triton_{kernel}")
+    from gpu_impl import kernels_triton_split as ks
     if shape == "csa-like":
         q, kv, ids, lengths, sink, dout = (t.cuda() for t in _csa_like_inputs(384, seed=3))
         dv = 512
@@ -227,25 +212,19 @@ def test_det_backward_gpu(shape, kernel, replays, monkeypatch):
         dv = dv or q.shape[2]
     out, lse = cb.sparse_attention_forward(q, kv, ids, sink, v_dim=dv, lengths=lengths)
     stats: dict = {}
-    if kernel == "keymajor":
-        km.attention_backward(q, kv, ids, sink, out, lse, dout, q.shape[2] ** -0.5, dv, lengths,
-                              stats=stats, fallback=False, max_dense_ratio=1e6)
-        monkeypatch.setitem(km.KEYMAJOR_CONFIG, "max_dense_ratio", 1e6)
-    else:
-        km.attention_backward(q, kv, ids, sink, out, lse, dout, q.shape[2] ** -0.5, dv, lengths,
-                              stats=stats)
-    assert stats["route"] == kernel, stats
+    ks.attention_backward(q, kv, ids, sink, out, lse, dout, q.shape[2] ** -0.5, dv, lengths,
+                          stats=stats)
+    assert stats["route"] == "split", stats
     if importlib.util.find_spec("cudnn") is not None:      # describe() needs the frontend
-        assert kernel in cb.describe("sparse_attention_backward", q, kv, ids, sink, out, lse,
-                                     dout, v_dim=dv, kernel=kernel)
+        assert "kernels_triton_split" in cb.describe("sparse_attention_backward", q, kv, ids,
+                                                     sink, out, lse, dout, v_dim=dv)
 
     def run():
         dq, dkv, ds = cb.sparse_attention_backward(q, kv, ids, sink, out, lse, dout, v_dim=dv,
-                                                   lengths=lengths, deterministic=True,
-                                                   kernel=kernel)
+                                                   lengths=lengths, deterministic=True)
         return {"dq": dq, "dkv": dkv, "dsink": ds}
     assert_deterministic_backward(run, (q, kv, ids, sink, lengths, out, lse, dout), dv, replays,
-                                  f"{kernel} bwd {shape} {stats}")
+                                  f"split bwd {shape} {stats}")
 
 
 # --------------------------------------------------------------------------------------------
