@@ -185,3 +185,14 @@ def test_must_fail_controls_pass_where_their_mistake_does_not_matter():
     _assert_passes(_check(FA.IgnoredLengthsAdapter, ["hostile-ids-no-lengths"]))
     _assert_passes(_check(FA.DroppedSinkAdapter, ["sink-neg-inf"]))
     _assert_passes(_check(FA.LseWithSinkAdapter, ["sink-neg-inf"]))
+
+
+@pytest.mark.xfail(strict=True, reason="conformance.judge evaluates the backward's bound on the "
+                   "consumed out; a NaN there raises ValueError and the whole case becomes one "
+                   "'judge' failure (quantity run) that hides the out/lse verdicts")
+def test_a_nan_forward_is_reported_as_out_when_the_adapter_has_a_backward():
+    """Ignoring ``topk_length`` on ``nan-poison-hostile-ids`` attends NaN-poisoned key rows:
+    ``out`` must fail as ``out`` (as it does for a forward-only adapter), not as a judge
+    error."""
+    res = _check(FA.IgnoredLengthsAdapter, ["nan-poison-hostile-ids"])
+    assert "out" in _failures(res)
