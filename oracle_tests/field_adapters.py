@@ -383,3 +383,50 @@ class RadixOrderTopkAdapter:
         ids = torch.full((T, k), -1, dtype=torch.int64)
         ids[:, :sel.shape[1]] = sel
         return ids, n
+
+
+class FieldIndexerLossAdapter:
+    """The sparse indexer loss the way the field's references write its teacher (cuDNN's
+    ``ref_sparse_attn_score_recompute`` given the full normaliser, Megatron's CSA teacher):
+    in float32, ``A[t,h,c] = exp(scale * <q, kv_cmp[c]> - LSEf[t,h])`` with
+    ``LSEf = logaddexp(lse, sink)`` (a ``+inf`` sink silences its head: ``A = 0``), the teacher
+    ``sum_h A / sum_{c,h} A``, the student the softmax of the selected index scores, the KL with
+    the ``2**-126`` floor, a row without teacher mass counted 0, ``loss = coeff * sum KL / N``.
+    It computes ``s - LSEf`` in absolute terms, so a sink as large as ``2.4e38`` on every head
+    underflows the whole teacher: it does not take ``sink-large`` (``sinks = "not-huge"``)."""
+
+    name = "field: float32 indexer loss (absolute teacher)"
+    ops = ("sparse_indexer_loss",)
+    sinks = "not-huge"
+
+    def precision(self, dtype):
+        return Precision(acc=F32, io=F32, stats=F32)
+
+    def sparse_indexer_loss(self, q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, *,
+                            coeff):
+        T, H, D = q.shape
+        C = kv_cmp.shape[0]
+        ids = compressed_ids.long()
+        valid = (ids >= 0) & (ids < C) & layout.is_real.to(ids.device)[:, None]
+        safe = torch.where(valid, ids, torch.zeros_like(ids))
+        k = kv_cmp.float()[safe] if C else torch.zeros((*ids.shape, D))
+        lse_f = torch.logaddexp(lse.float(), sink.float()[None, :])                # [T, H]
+        s = torch.einsum("thd,tkd->thk", q.float(), k) * D ** -0.5
+        a = torch.exp(s - lse_f[..., None]).masked_fill(~valid[:, None, :], 0.0)
+        a = torch.where(torch.isposinf(lse_f)[..., None], torch.zeros_like(a), a)
+        mass = a.sum(dim=1)                                                       # [T, K]
+        total = mass.sum(dim=1, keepdim=True)
+        has = total > 0
+        target = torch.where(has, mass / torch.where(has, total, torch.ones_like(total)), 0.0)
+        sc = torch.gather(index_scores.float(), 1, safe) if C else torch.zeros(ids.shape)
+        sc = sc.masked_fill(~valid, float("-inf"))
+        any_valid = valid.any(dim=1, keepdim=True)
+        predict = torch.softmax(torch.where(any_valid, sc, torch.zeros_like(sc)), dim=1)
+        predict = predict.masked_fill(~valid, 0.0)
+        f = 2.0 ** -126
+        tc, pc = target.clamp(min=f), predict.clamp(min=f)
+        kl = (tc * (tc.log() - pc.log())).masked_fill(~valid, 0.0).sum(dim=1)
+        kl = torch.where(has[:, 0], kl, torch.zeros_like(kl))
+        n = layout.num_real
+        loss = coeff * kl.sum() / n if n else kl.sum() * 0
+        return loss, kl, target, predict
