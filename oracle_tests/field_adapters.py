@@ -21,7 +21,10 @@ Must pass:
   ``ValueError`` on any other sink; :class:`FiniteSinkMappedAdapter` maps ``+-inf`` onto the
   largest finite float32 of the same sign instead and takes every case;
 - :class:`FieldRowsAdapter`: CSA key rows built per row from the document position (the
-  compressed part, then the window part, ``-1`` padded), the way training codebases build them.
+  compressed part, then the window part, ``-1`` padded), the way training codebases build them;
+- :class:`FieldIndexerLossAdapter`: the indexer loss with the teacher written as the field
+  writes it, ``exp(s - LSEf)`` in float32 (absolute, not per-head offsets); it declares
+  ``sinks = "not-huge"`` (a ``2.4e38`` sink on every head underflows its whole teacher).
 
 Must fail (each a mistake seen in real code, each caught by a named quantity):
 

@@ -14,7 +14,15 @@ exercise its convention:
   ``topk_length``, a window off by one, an ``lse`` that includes the sink, ``+0`` ranked above
   ``-0`` (the documented difference of cuDNN's Top-K: it fails on the signed-zero case only);
 - the whole check of the autograd-recomputed backward is ``xfail(strict=True)`` until the
-  checker judges a backward under both conventions of section 6.
+  checker judges a backward under both conventions of section 6;
+- the field's float32 indexer loss passes on finite and ``-inf`` sinks; ``xfail(strict=True)``
+  until the oracle's teacher follows section 8: on ``sink-mixed`` (a ``+inf`` head silences
+  only itself) and ``sink-pos-inf`` (``predict`` is the student softmax on a row without
+  teacher mass); and run on ``sink-large``, which it declares it cannot take (its teacher
+  underflows to 0), it must fail: today its loss, KL and teacher pass because their bounds are
+  as large as the values;
+- a NaN in the forward's ``out`` must be reported as ``out`` when the adapter also has the
+  backward (``xfail(strict=True)``: today the case becomes one judge error).
 """
 from __future__ import annotations
 
