@@ -175,7 +175,7 @@ def test_autograd_backward_passes_the_check():
     (FA.ValueDimScaleAdapter, ["v-dim-smaller"], {"out", "lse", "dq", "dkv"}),
     (FA.DroppedSinkAdapter, ["capacity-rows", "sink-log-k"], {"out"}),
     (FA.IgnoredLengthsAdapter, ["hostile-ids-mixed-lengths", "lengths-negative"],
-     {"out", "lse", "sink_only", "dq", "dkv", "dsink"}),
+     {"out", "lse", "sink_only"}),
     (FA.WindowOffByOneAdapter, ["padding-edge-layout", "window-only"], {"ids", "lengths"}),
     (FA.LseWithSinkAdapter, ["capacity-rows", "sink-log-k"], {"lse", "sink_only"}),
     (FA.RadixOrderTopkAdapter, ["signed-zero-ties"], {"cmp_ids"}),
@@ -186,7 +186,8 @@ def test_must_fail_controls_fail_on_every_case(cls, case_ids, quantities):
     assert not res.passed
     for q in quantities:
         assert fails.get(q) == sorted(case_ids), (q, fails)
-    assert set(fails) <= quantities | {"sink_only"}, fails
+    # a wrong forward may also fail the backward judged on it (dq, dkv, dsink); nothing else
+    assert set(fails) <= quantities | {"sink_only", "dq", "dkv", "dsink"}, fails
 
 
 def test_must_fail_controls_pass_where_their_mistake_does_not_matter():
