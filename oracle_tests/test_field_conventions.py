@@ -231,9 +231,10 @@ def test_field_indexer_loss_predict_on_rows_without_teacher_mass():
     _assert_passes(_check(FA.FieldIndexerLossAdapter, ["sink-pos-inf"]))
 
 
-@pytest.mark.xfail(strict=True, reason="on sink-large the loss bounds are as large as the values "
-                   "(loss 0.0168 with bound 0.033, target 1 with bound 1) and compare_numeric "
-                   "counts such elements as passes (section 12 power rule not applied)")
+@pytest.mark.xfail(strict=True, reason="on sink-large the oracle's loss bounds are as large as "
+                   "the values (loss 0.0168 with bound 0.033, target 1 with bound 1): a teacher "
+                   "underflowed to 0 passes, or is 'not judged' where the section 12 power rule "
+                   "is applied; it fails once the huge-sink teacher and its bound are exact")
 def test_an_underflowed_teacher_does_not_pass_on_huge_sinks():
     """The absolute float32 teacher underflows to exactly 0 when every head's sink is 2.4e38:
     loss, KL and teacher all 0 where the contract's are not. Run on the case it declares it
