@@ -137,7 +137,7 @@ def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True)
 
     if case.is_layer:
         cmp_ids = None
-        if case.layer == "csa":
+        if case.has_indexer:
             if case.scores == "indexer":
                 if use("indexer_scores"):
                     (s,) = _call(adapter, backends, "indexer_scores", 1, x["q_idx"], x["k_idx"],
@@ -171,7 +171,7 @@ def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True)
         att_lengths = lengths if case.lengths == "layer" else None
     else:
         ids, att_lengths = x["ids"], x.get("lengths")
-    loss_stage = (case.is_layer and case.layer == "csa" and lay.num_real > 0
+    loss_stage = (case.is_layer and case.has_indexer and lay.num_real > 0
                   and (use("sparse_indexer_loss")
                        or (use("sparse_indexer_loss_grad") and case.scores == "indexer")))
     if use("sparse_attention_forward"):
@@ -229,12 +229,12 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
     train = backward and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
     leaf = {k: x[k].detach().clone().requires_grad_(train) for k in LAYER_LEAVES
             if k in x and not (k == "kv_cmp" and case.ratio == 0)
-            and not (k in ("q_idx", "k_idx", "weights") and case.layer != "csa")}
+            and not (k in ("q_idx", "k_idx", "weights") and not case.has_indexer)}
     kw = dict(window=case.window, ratio=case.ratio, v_dim=case.v_dim, coeff=case.coeff,
               order=case.order)
     if case.ratio:
         kw["kv_cmp"] = leaf["kv_cmp"]
-    if case.layer == "csa":
+    if case.has_indexer:
         kw.update(q_idx=leaf["q_idx"], k_idx=leaf["k_idx"], weights=leaf["weights"],
                   topk=case.topk)
     try:
@@ -251,7 +251,7 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
     backends = dict(b) if isinstance(b, dict) else {op: adapter.name}
     try:
         got = dict(out=res.out.detach(), lse=res.lse, ids=res.ids, lengths=res.lengths)
-        if case.layer == "csa":
+        if case.has_indexer:
             got.update(scores=res.index_scores, cmp_ids=res.compressed_ids,
                        cmp_lengths=res.compressed_lengths)
             L = getattr(res, "indexer_loss", None)
@@ -266,7 +266,7 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
                        else torch.zeros_like(leaf[k]))
         got["dq"], got["dsink"] = g("q"), g("sink")
         got["dkv"] = torch.cat([g("kv_raw")] + ([g("kv_cmp")] if case.ratio else []))
-        if case.layer == "csa" and "loss" in got:
+        if case.has_indexer and "loss" in got:
             got.update(dq_idx=g("q_idx"), dw=g("weights"), dk_idx=g("k_idx"))
     for k, v in got.items():
         if not isinstance(v, torch.Tensor):
@@ -356,7 +356,7 @@ def judge(case, x: dict, got: dict, *, precision: EM.Precision, consumed: dict |
 
     if case.is_layer:
         cmp_ids = None
-        if case.layer == "csa":
+        if case.has_indexer:
             b_s = None
             if case.scores == "indexer":
                 s_o = memo("scores", lambda: R.indexer_scores(

@@ -170,6 +170,7 @@ def _gathered(q, kv, ids, valid, r0, r1, scale):
     n, K, D = r1 - r0, ids.shape[1], kv.shape[1]
     safe = torch.where(valid[r0:r1], ids[r0:r1], torch.zeros_like(ids[r0:r1]))
     kg = _rows_or_zeros(kv).index_select(0, safe.reshape(-1)).view(n, K, D)
+    kg = kg.masked_fill(~valid[r0:r1].unsqueeze(-1), 0.0)  # row 0 stands in: even NaN never leaks
     v = valid[r0:r1].unsqueeze(1)
     s = (scale * torch.bmm(q[r0:r1], kg.transpose(1, 2))).masked_fill(~v, -INF)
     a = (abs(scale) * torch.bmm(q[r0:r1].abs(), kg.abs().transpose(1, 2))).masked_fill(~v, 0.0)
@@ -445,6 +446,7 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
         mv3 = mv.unsqueeze(1)
         nv = mv.sum(dim=1, keepdim=True).to(F64)
         kg = _rows_or_zeros(kc).index_select(0, safe[r0:r1].reshape(-1)).view(n, Kc, D)
+        kg = kg.masked_fill(~valid[r0:r1].unsqueeze(-1), 0.0)  # even a NaN row 0 never leaks
         s = scale * torch.bmm(q[r0:r1], kg.transpose(1, 2))                  # [n, H, Kc]
         a = abs(scale) * torch.bmm(q[r0:r1].abs(), kg.abs().transpose(1, 2))
         f0 = _finite_or_zero(f).unsqueeze(-1)
@@ -529,6 +531,7 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
         nv = v.sum(dim=1, keepdim=True).to(F64)                               # [n, 1]
         safe = torch.where(v, ids[r0:r1], torch.zeros_like(ids[r0:r1]))
         kg = _rows_or_zeros(k).index_select(0, safe.reshape(-1)).view(n, Kc, DI)
+        kg = kg.masked_fill(~v.unsqueeze(-1), 0.0)  # even a NaN row 0 never leaks
         qc, wc = q[r0:r1], w[r0:r1]
         z = torch.bmm(qc, kg.transpose(1, 2))                                # [n, H_I, Kc]
         zeta = torch.bmm(qc.abs(), kg.abs().transpose(1, 2))
