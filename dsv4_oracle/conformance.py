@@ -33,6 +33,7 @@ import torch
 
 import reference as R
 from reference import error_model as EM
+from reference._checks import as_device, compute_on, to_cpu
 
 from .adapters import Adapter
 from .invoke import OpError, call_op, where
@@ -316,6 +317,19 @@ def _memo(cache, name, fn, *parts):
     return cache[k]
 
 
+def _on_device(device):
+    """``run(fn)``: ``fn()`` with the oracle computing on ``device`` and its results moved to
+    the CPU (``None``: the CPU oracle, unchanged)."""
+    if device is None:
+        return lambda fn: fn()
+    dev = as_device(device, "oracle_device")
+
+    def run(fn):
+        with compute_on(dev):
+            return to_cpu(fn())
+    return run
+
+
 def error_ratio_map(actual, expected, bound) -> torch.Tensor:
     """Per ``(row, head)`` the largest ``|actual - expected| / bound`` over the trailing
     dimensions (0 where equal, ``inf`` where a non-finite value differs or a zero bound is
@@ -335,7 +349,8 @@ def error_ratio_map(actual, expected, bound) -> torch.Tensor:
 
 
 def judge(case, x: dict, got: dict, *, precision: EM.Precision, consumed: dict | None = None,
-          cache: dict | None = None, maps: dict | None = None) -> list[CheckResult]:
+          cache: dict | None = None, maps: dict | None = None,
+          oracle_device=None) -> list[CheckResult]:
     """Every check of ``got`` against the oracle on the consumed inputs (section 12).
 
     ``x``: the case's inputs as the implementation received them; ``got``: its outputs (only
@@ -345,6 +360,9 @@ def judge(case, x: dict, got: dict, *, precision: EM.Precision, consumed: dict |
     memoises oracle evaluations on identical consumed inputs (op and layer levels of one
     case). ``maps``, when a dict, receives per ``(row, head)`` error/bound maps of ``out``,
     ``lse``, ``dq`` and the row flags ``padding`` and ``sink_only`` (for the report's heat map).
+    ``oracle_device`` (default: the CPU, the oracle's definition) runs the memoised oracle and
+    error-model evaluations on that device (``reference._checks.compute_on``); their results
+    come back to the CPU.
     """
     con = dict(got if consumed is None else consumed)
     lay = case.layout()
@@ -352,7 +370,8 @@ def judge(case, x: dict, got: dict, *, precision: EM.Precision, consumed: dict |
     v: list[CheckResult] = []
     xc = {k: t.detach().to("cpu") for k, t in x.items()}
     cpu = lambda t: None if t is None else t.detach().to("cpu")  # noqa: E731
-    memo = lambda name, fn, *parts: _memo(cache, name, fn, prec, *parts)  # noqa: E731
+    on = _on_device(oracle_device)
+    memo = lambda name, fn, *parts: _memo(cache, name, lambda: on(fn), prec, *parts)  # noqa: E731
 
     if case.is_layer:
         cmp_ids = None

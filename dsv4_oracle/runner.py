@@ -33,7 +33,7 @@ from .conformance import (FORWARD_OUTPUTS, OpError, judge, layer_applies, run_la
 __all__ = ["CATALOGS", "CaseOutcome", "RunResult", "SelectionError", "select_cases", "quick_ids",
            "check_case", "run_check", "LEVELS"]
 
-CATALOGS = ("quick", "full")
+CATALOGS = ("quick", "full", "production")
 LEVELS = ("op", "layer")
 # categories whose cases are not single-device runs (CP layouts that must raise ValueError)
 _NOT_RUNNABLE = ("cp_invalid",)
@@ -56,9 +56,11 @@ def _runnable(cases):
 
 
 def select_cases(catalog: str | None = None, patterns=()) -> tuple[list, str]:
-    """``(cases, catalog name)``. ``catalog`` ``quick`` or ``full``; default ``quick``, or
-    ``full`` when ``patterns`` are given. Each pattern is a case id or a shell-style glob
-    (``sink-*``) and must match at least one case; the union keeps catalog order."""
+    """``(cases, catalog name)``. ``catalog`` ``quick``, ``full`` or ``production`` (the
+    DSv4 shapes at production row counts, :mod:`fixtures.production`: in neither of the
+    others); default ``quick``, or ``full`` when ``patterns`` are given. Each pattern is a case
+    id or a shell-style glob (``sink-*``) and must match at least one case; the union keeps
+    catalog order."""
     import fixtures
     if catalog is None:
         catalog = "full" if patterns else "quick"
@@ -68,6 +70,9 @@ def select_cases(catalog: str | None = None, patterns=()) -> tuple[list, str]:
     if catalog == "quick":
         want = set(quick_ids())
         cases = [c for c in full if c.id in want]
+    elif catalog == "production":
+        from fixtures.production import production_cases
+        cases = list(production_cases())
     else:
         cases = full
     if not patterns:
@@ -134,7 +139,7 @@ def _failed(name: str, kind: str, quantity: str, level: str, detail: str) -> Che
 
 
 def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache: dict,
-           maps: dict | None) -> tuple[list, dict]:
+           maps: dict | None, oracle_device=None) -> tuple[list, dict]:
     """The checks of one level of one case, and the backends that ran."""
     def once(backward=True):
         if level == "op":
@@ -167,7 +172,7 @@ def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache
     precision = adapter.precision(case.torch_dtype)
     try:
         verdicts = judge(case, x, first.got, consumed=first.consumed, precision=precision,
-                         cache=cache, maps=maps)
+                         cache=cache, maps=maps, oracle_device=oracle_device)
     except Exception as exc:   # the oracle rejected an intermediate the implementation produced
         verdicts = [_failed("judge", "error", "run", level,
                             f"the oracle cannot evaluate the implementation's intermediates: "
@@ -192,8 +197,11 @@ def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache
     return checks, dict(first.backends)
 
 
-def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None) -> CaseOutcome:
-    """Every check of ``adapter`` on ``case`` (see the module docstring)."""
+def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None,
+               oracle_device=None) -> CaseOutcome:
+    """Every check of ``adapter`` on ``case`` (see the module docstring). ``oracle_device``
+    (default: the CPU) runs the oracle's float64 code on that device
+    (:func:`dsv4_oracle.conformance.judge`)."""
     t0 = time.perf_counter()
     out = CaseOutcome(case)
     try:
@@ -213,7 +221,8 @@ def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None) -> CaseOut
     for level in levels:
         maps = {} if not out.maps else None
         try:
-            checks, backends = _level(adapter, case, x, level, replays, ops, cache, maps)
+            checks, backends = _level(adapter, case, x, level, replays, ops, cache, maps,
+                                      oracle_device)
         except OpError as exc:
             checks, backends = [_failed(f"run: {exc.op}", "error", "run", level, exc.message)], {}
         out.checks += checks
@@ -229,7 +238,7 @@ def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None) -> CaseOut
 
 
 def run_check(adapter: Adapter, cases, *, catalog: str = "quick", patterns=(), replays: int = 3,
-              ops=None, progress: Callable | None = None) -> RunResult:
+              ops=None, progress: Callable | None = None, oracle_device=None) -> RunResult:
     """Run :func:`check_case` over ``cases``; ``progress(event, case, outcome)`` is called with
     ``"start"`` before and ``"done"`` after each case."""
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -238,7 +247,7 @@ def run_check(adapter: Adapter, cases, *, catalog: str = "quick", patterns=(), r
     for case in cases:
         if progress:
             progress("start", case, None)
-        o = check_case(adapter, case, replays=replays, ops=ops)
+        o = check_case(adapter, case, replays=replays, ops=ops, oracle_device=oracle_device)
         outcomes.append(o)
         if progress:
             progress("done", case, o)
