@@ -202,3 +202,11 @@ def test_production_case_passes_on_cuda(case, production_selected):
     assert outcome.error is None, outcome.error
     assert outcome.passed, [(c.name, c.detail) for c in outcome.failed_checks]
     assert math.isfinite(max(c.ratio for c in outcome.checks if c.ratio is not None))
+
+
+@pytest.mark.parametrize("argv", [["--threads", "0"], ["--compute-device", "tpu"],
+                                  ["--T", "1000"]])
+def test_bench_production_rejects_bad_arguments(argv):
+    r = subprocess.run([sys.executable, "bench/bench_production.py", *argv],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "error:" in r.stderr and "Traceback" not in r.stderr
