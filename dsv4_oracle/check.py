@@ -44,8 +44,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "CUDA, else gpu_impl:torch)")
     p.add_argument("--device", default=None,
                    help="device the inputs are put on (default: the adapter's own)")
-    p.add_argument("--catalog", choices=("quick", "full"), default=None,
-                   help="case catalog (default: quick; full when --case is given)")
+    p.add_argument("--catalog", choices=("quick", "full", "production"), default=None,
+                   help="case catalog (default: quick; full when --case is given; production: "
+                        "the DSv4 shapes at T 4096 to 65536, in neither of the others)")
+    p.add_argument("--oracle-device", metavar="DEVICE", default=None,
+                   help="run the oracle's float64 code on DEVICE (e.g. cuda) instead of the "
+                        "CPU, for the production catalog (default: the CPU, the definition)")
     p.add_argument("--case", metavar="PATTERN", action="append", default=[],
                    help="case id or glob (e.g. 'sink-*'); repeatable")
     p.add_argument("--ops", default=None,
@@ -104,6 +108,12 @@ def _main_check(args) -> int:
             print(f"{c.id:34s} {', '.join(c.categories)}")
         print(f"{len(cases)} cases ({catalog} catalog)")
         return EXIT_OK
+    if args.oracle_device is not None:
+        from reference._checks import as_device
+        try:
+            as_device(args.oracle_device, "--oracle-device")
+        except (TypeError, ValueError) as exc:
+            return _usage_error(str(exc))
     spec = default_impl() if args.impl is None else args.impl
     try:
         adapter = load_adapter(spec, device=args.device)
@@ -137,7 +147,8 @@ def _main_check(args) -> int:
     try:
         result = run_check(adapter, cases, catalog=catalog, patterns=args.case,
                            replays=args.replays, ops=ops, progress=bar,
-                           timeout=args.timeout or None, hard_exit=True)
+                           timeout=args.timeout or None, hard_exit=True,
+                           oracle_device=args.oracle_device)
     finally:
         bar.close()
     if result.judged == 0:

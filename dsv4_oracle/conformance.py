@@ -43,6 +43,7 @@ import torch
 
 import reference as R
 from reference import error_model as EM
+from reference._checks import as_device, compute_on, to_cpu
 
 from .adapters import Adapter
 from .invoke import OpError, call_op
@@ -134,7 +135,8 @@ class Stage(NamedTuple):
 
 
 def _csa(case) -> bool:
-    return case.is_layer and case.layer == "csa"
+    """The case has an indexer stage (a CSA layer, or DeepSeek-V3.2 DSA)."""
+    return case.is_layer and case.has_indexer
 
 
 def _indexer(case) -> bool:
@@ -278,12 +280,12 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
     train = backward and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
     leaf = {k: x[k].detach().clone().requires_grad_(train) for k in LAYER_LEAVES
             if k in x and not (k == "kv_cmp" and case.ratio == 0)
-            and not (k in ("q_idx", "k_idx", "weights") and case.layer != "csa")}
+            and not (k in ("q_idx", "k_idx", "weights") and not case.has_indexer)}
     kw = dict(window=case.window, ratio=case.ratio, v_dim=case.v_dim, coeff=case.coeff,
               order=case.order)
     if case.ratio:
         kw["kv_cmp"] = leaf["kv_cmp"]
-    if case.layer == "csa":
+    if case.has_indexer:
         kw.update(q_idx=leaf["q_idx"], k_idx=leaf["k_idx"], weights=leaf["weights"],
                   topk=case.topk)
     def forward_backward(*args, **kwargs):
@@ -303,7 +305,7 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
     backends = dict(b) if isinstance(b, dict) else {op: adapter.name}
     try:
         got = dict(out=res.out.detach(), lse=res.lse, ids=res.ids, lengths=res.lengths)
-        if case.layer == "csa":
+        if case.has_indexer:
             got.update(scores=res.index_scores, cmp_ids=res.compressed_ids,
                        cmp_lengths=res.compressed_lengths)
             L = getattr(res, "indexer_loss", None)
@@ -318,7 +320,7 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
                        else torch.zeros_like(leaf[k]))
         got["dq"], got["dsink"] = g("q"), g("sink")
         got["dkv"] = torch.cat([g("kv_raw")] + ([g("kv_cmp")] if case.ratio else []))
-        if case.layer == "csa" and "loss" in got:
+        if case.has_indexer and "loss" in got:
             got.update(dq_idx=g("q_idx"), dw=g("weights"), dk_idx=g("k_idx"))
     for k, v in got.items():
         if not isinstance(v, torch.Tensor):
@@ -409,6 +411,19 @@ def _key(*parts):
     return tuple(content_hash(p) if isinstance(p, torch.Tensor) else p for p in parts)
 
 
+def _on_device(device):
+    """``run(fn)``: ``fn()`` with the oracle computing on ``device`` and its results moved to
+    the CPU (``None``: the CPU oracle, unchanged)."""
+    if device is None:
+        return lambda fn: fn()
+    dev = as_device(device, "oracle_device")
+
+    def run(fn):
+        with compute_on(dev):
+            return to_cpu(fn())
+    return run
+
+
 def error_ratio_map(actual, expected, bound) -> torch.Tensor:
     """Per ``(row, head)`` the largest ``|actual - expected| / bound`` over the trailing
     dimensions (0 where equal, ``inf`` where a non-finite value differs or a zero bound is
@@ -425,8 +440,9 @@ class _Judging:
     on the content hash of what they read, the precision per op, and the outputs found
     unusable so far (name -> reason)."""
 
-    def __init__(self, case, x, got, con, precision, cache, maps):
+    def __init__(self, case, x, got, con, precision, cache, maps, oracle_device=None):
         self.case, self.lay = case, case.layout()
+        self.on = _on_device(oracle_device)
         self.x = {k: t.detach().to("cpu") for k, t in x.items() if isinstance(t, torch.Tensor)}
         self.got = got
         self.con = {k: v.detach().to("cpu") for k, v in con.items()
@@ -452,10 +468,10 @@ class _Judging:
 
     def memo(self, name, fn, *parts):
         if self.cache is None:
-            return fn()
+            return self.on(fn)
         k = (name,) + _key(*parts)
         if k not in self.cache:
-            self.cache[k] = fn()
+            self.cache[k] = self.on(fn)
         return self.cache[k]
 
     def read(self, name: str):
@@ -794,7 +810,7 @@ def _judge_stage(j: _Judging, st: Stage, pinned: str | None) -> list:
 
 def judge(case, x: dict, got: dict, *, precision, consumed: dict | None = None,
           cache: dict | None = None, maps: dict | None = None,
-          convention: str | None = None) -> list[CheckResult]:
+          convention: str | None = None, oracle_device=None) -> list[CheckResult]:
     """Every check of ``got`` against the oracle on the consumed inputs (section 12).
 
     ``x``: the case's inputs as the implementation received them; ``got``: its outputs (only
@@ -807,7 +823,9 @@ def judge(case, x: dict, got: dict, *, precision, consumed: dict | None = None,
     when the adapter pins one, else both). ``cache`` (a dict, per case) memoises oracle
     evaluations on identical consumed inputs (op and layer levels of one case). ``maps``, when a
     dict, receives per ``(row, head)`` error/bound maps of ``out``, ``lse``, ``dq`` and the row
-    flags ``padding`` and ``sink_only`` (for the report's heat map).
+    flags ``padding`` and ``sink_only`` (for the report's heat map). ``oracle_device`` (default:
+    the CPU, the oracle's definition) runs the memoised oracle and error-model evaluations on
+    that device (``reference._checks.compute_on``); their results come back to the CPU.
 
     Stages are judged in pipeline order; a stage that reads an output whose own check found it
     unusable (non-finite pattern or shape) reports its checks as not judged.
@@ -822,7 +840,7 @@ def judge(case, x: dict, got: dict, *, precision, consumed: dict | None = None,
     if pinned is not None and pinned not in BACKWARD_CONVENTIONS:
         raise ValueError(f"convention must be one of {BACKWARD_CONVENTIONS} or None, got "
                          f"{pinned!r}")
-    j = _Judging(case, x, got, con, precision, cache, maps)
+    j = _Judging(case, x, got, con, precision, cache, maps, oracle_device)
     stages = [st for st in STAGES if st.applies(case) and any(w in got for w in st.writes)]
     for st in stages:                    # a usage error, not a verdict: raise before judging
         j.prec(st.op)

@@ -40,7 +40,7 @@ __all__ = ["CATALOGS", "CaseOutcome", "RunResult", "SelectionError", "select_cas
            "check_case", "run_check", "LEVELS", "STRUCTURAL", "precision_summary",
            "precision_lines"]
 
-CATALOGS = ("quick", "full")
+CATALOGS = ("quick", "full", "production")
 LEVELS = ("op", "layer")
 # quantities that hold however little ran: a run with only these judged nothing
 STRUCTURAL = ("grad_modes", "no_mutation", "replays")
@@ -65,9 +65,11 @@ def _runnable(cases):
 
 
 def select_cases(catalog: str | None = None, patterns=()) -> tuple[list, str]:
-    """``(cases, catalog name)``. ``catalog`` ``quick`` or ``full``; default ``quick``, or
-    ``full`` when ``patterns`` are given. Each pattern is a case id or a shell-style glob
-    (``sink-*``) and must match at least one case; the union keeps catalog order."""
+    """``(cases, catalog name)``. ``catalog`` ``quick``, ``full`` or ``production`` (the
+    DSv4 shapes at production row counts, :mod:`fixtures.production`: in neither of the
+    others); default ``quick``, or ``full`` when ``patterns`` are given. Each pattern is a case
+    id or a shell-style glob (``sink-*``) and must match at least one case; the union keeps
+    catalog order."""
     import fixtures
     if catalog is None:
         catalog = "full" if patterns else "quick"
@@ -77,6 +79,9 @@ def select_cases(catalog: str | None = None, patterns=()) -> tuple[list, str]:
     if catalog == "quick":
         want = set(quick_ids())
         cases = [c for c in full if c.id in want]
+    elif catalog == "production":
+        from fixtures.production import production_cases
+        cases = list(production_cases())
     else:
         cases = full
     if not patterns:
@@ -185,7 +190,7 @@ def level_precision(adapter: Adapter, dtype, level: str) -> dict:
 
 
 def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache: dict,
-           maps: dict | None) -> tuple[list, dict]:
+           maps: dict | None, oracle_device=None) -> tuple[list, dict]:
     """The checks of one level of one case, and the backends that ran."""
     def once(backward=True):
         if level == "op":
@@ -219,7 +224,7 @@ def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache
     precision = level_precision(adapter, case.torch_dtype, level)
     try:
         verdicts = judge(case, x, first.got, consumed=first.consumed, precision=precision,
-                         cache=cache, maps=maps)
+                         cache=cache, maps=maps, oracle_device=oracle_device)
     except Exception as exc:   # the oracle rejected an intermediate the implementation produced
         verdicts = [_failed("judge", "error", "run", level,
                             f"the oracle cannot evaluate the implementation's intermediates: "
@@ -245,8 +250,11 @@ def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache
     return checks, dict(first.backends)
 
 
-def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None) -> CaseOutcome:
-    """Every check of ``adapter`` on ``case`` (see the module docstring)."""
+def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None,
+               oracle_device=None) -> CaseOutcome:
+    """Every check of ``adapter`` on ``case`` (see the module docstring). ``oracle_device``
+    (default: the CPU) runs the oracle's float64 code on that device
+    (:func:`dsv4_oracle.conformance.judge`)."""
     t0 = time.perf_counter()
     out = CaseOutcome(case)
     try:
@@ -276,7 +284,8 @@ def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None) -> CaseOut
     for level in levels:
         maps: dict = {}
         try:
-            checks, backends = _level(adapter, case, x, level, replays, ops, cache, maps)
+            checks, backends = _level(adapter, case, x, level, replays, ops, cache, maps,
+                                      oracle_device)
         except OpError as exc:
             checks, backends = [_op_failed(exc, level)], {}
         except Exception as exc:     # what the implementation returned broke the runner
@@ -297,7 +306,7 @@ def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None) -> CaseOut
 
 def run_check(adapter: Adapter, cases, *, catalog: str = "quick", patterns=(), replays: int = 3,
               ops=None, progress: Callable | None = None, timeout: float | None = None,
-              hard_exit: bool = False) -> RunResult:
+              hard_exit: bool = False, oracle_device=None) -> RunResult:
     """Run :func:`check_case` over ``cases``; ``progress(event, case, outcome)`` is called with
     ``"start"`` before and ``"done"`` after each case. ``timeout``: seconds per op call
     (``None`` or 0: no limit; ``hard_exit``: see :func:`dsv4_oracle.invoke.op_timeout`)."""
@@ -308,7 +317,8 @@ def run_check(adapter: Adapter, cases, *, catalog: str = "quick", patterns=(), r
         for case in cases:
             if progress:
                 progress("start", case, None)
-            o = check_case(adapter, case, replays=replays, ops=ops)
+            o = check_case(adapter, case, replays=replays, ops=ops,
+                           oracle_device=oracle_device)
             outcomes.append(o)
             if progress:
                 progress("done", case, o)

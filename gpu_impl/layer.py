@@ -143,8 +143,11 @@ def csa_layer(q, kv, sink, layout, *, window, ratio, kv_cmp=None, q_idx=None, k_
     q = float_tensor(q, "q", ndim=3)
     kv = float_tensor(kv, "kv", ndim=2)
     sink = float_tensor(sink, "sink", ndim=1)
-    window = as_int(window, "window", minimum=1)
+    window = as_int(window, "window", minimum=0)
     ratio = as_int(ratio, "ratio", minimum=0)
+    if window == 0 and ratio == 0:
+        raise ValueError("window=0 needs compressed keys (ratio > 0): a window-only layer "
+                         "(ratio 0) needs window >= 1")
     backends = _backend_map(backend)
     grad_mode = choice(grad_mode, "grad_mode", ("clipped", "autograd"))
     indexer = [x is not None for x in (q_idx, k_idx, weights)]

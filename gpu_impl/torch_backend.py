@@ -280,8 +280,11 @@ def build_csa_indices(layout, *, window, ratio, compressed_ids=None, device=None
     ``ValueError``. ``compressed_ids`` is never modified.
     """
     check_layout(layout)
-    window = as_int(window, "window", minimum=1)
+    window = as_int(window, "window", minimum=0)
     ratio = as_int(ratio, "ratio", minimum=0)
+    if window == 0 and ratio == 0:
+        raise ValueError("window=0 needs compressed keys (ratio > 0): a window-only layer "
+                         "(ratio 0) needs window >= 1")
     as_bool(deterministic, "deterministic")
     if compressed_ids is not None:
         compressed_ids = index_tensor(compressed_ids, "compressed_ids", ndim=2)

@@ -111,7 +111,7 @@ def test_inputs_are_rounded_nonzero_and_of_the_case_dtype():
     for c in catalog():
         x = c.materialize()
         T, C, H, D = c.T, c.C, c.heads, c.head_dim
-        assert x["q"].shape == (T, H, D) and x["kv"].shape == (T + C, D)
+        assert x["q"].shape == (T, H, D) and x["kv"].shape == (c.num_keys, D)
         assert x["kv_raw"].shape == (T, D) and x["kv_cmp"].shape == (C, D)
         assert x["dout"].shape == (T, H, c.v_dim or D)
         assert x["sink"].dtype == torch.float32 and x["sink"].shape == (H,)
@@ -122,7 +122,7 @@ def test_inputs_are_rounded_nonzero_and_of_the_case_dtype():
                 assert x[k].dtype == c.torch_dtype, (c.id, k)
                 vals = x[k][~torch.isnan(x[k])]
                 assert not bool((vals == 0).any()), (c.id, k, "zero input")
-        if c.layer == "csa":
+        if c.has_indexer:
             assert x["q_idx"].shape == (T, c.index_heads, c.index_dim)
             assert x["k_idx"].shape == (C, c.index_dim) and x["weights"].shape == (T, c.index_heads)
         else:

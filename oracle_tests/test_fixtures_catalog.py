@@ -205,6 +205,25 @@ def _public(c, x, o):
     assert c.id.startswith("public-")
 
 
+def _dsa(c, x, o):
+    assert (c.layer, c.ratio, c.window, c.sink) == ("dsa", 1, 0, "neg_inf")
+    assert torch.equal(x["kv_cmp"].nan_to_num(), x["kv_raw"][: c.C].nan_to_num())
+    assert bool((o["cmp_lengths"] == c.topk).any()), "Top-K never binds"
+
+
+def _index_hazards(c, x, o):
+    S = x["kv"].shape[0]
+    if c.poison:
+        assert bool(torch.isnan(x["kv"][0]).all()) and bool(torch.isnan(x["kv"][S - 1]).all())
+        return
+    ids = x["ids"].to(torch.int64)
+    assert c.T >= 4096 or S > 2 ** 17, "neither a large-ish layout nor S > 2^17"
+    if S > 2 ** 17:
+        assert bool(((ids >= 2 ** 17) & (ids < S)).any()), "no valid id at or above 2^17"
+    else:
+        assert {-(2 ** 31), 2 ** 31 - 1} <= set(ids.flatten().tolist()) or c.index_dtype == "int64"
+
+
 PREDICATES = {
     "padding": _padding, "empty_docs": _empty_docs, "capacity_rows": _capacity,
     "short_docs": _short_docs, "no_groups": _no_groups, "sink_only_rows": _sink_only,
@@ -213,7 +232,8 @@ PREDICATES = {
     "all_invalid_rows": _all_invalid, "hostile_lengths": _hostile_lengths,
     "duplicate_ids": _duplicates, "sinks": _sinks, "nan_poison": _poison, "cp": _cp,
     "layer_kinds": _layer_kinds, "dtypes": _dtypes, "policies": _policies,
-    "dsv4_flash": _flash, "dsv4_pro": _pro, "public_small": _public,
+    "dsv4_flash": _flash, "dsv4_pro": _pro, "public_small": _public, "dsa_v32": _dsa,
+    "index_hazards": _index_hazards,
 }
 
 
@@ -242,7 +262,7 @@ def test_catalog_spans_the_required_variants():
     assert {c.lengths for c in by("hostile_lengths")} >= {"zero", "negative", "above_width"}
     assert {c.dtype for c in by("dtypes")} == {"bfloat16", "float16", "float32", "float64"}
     assert {c.index_dtype for c in by("hostile_ids")} == {"int32", "int64"}
-    assert {c.layer for c in CASES} == {"csa", "hca", "window"}
+    assert {c.layer for c in CASES} == {"csa", "hca", "window", "dsa"}
     assert {c.order for c in CASES} == {"id", "score"}
 
 

@@ -190,7 +190,9 @@ CASES = [
     ("indexer-head-dim-zero", "indexer", lambda b: dict(q_idx=b["q_idx"][..., :0], k_idx=b["k_idx"][:, :0]), ValueError, "q_idx"),
     # section 5: CSA rows
     ("indices-layout", "indices", lambda b: dict(layout=None), TypeError, "layout"),
-    ("indices-window-zero", "indices", lambda b: dict(window=0), ValueError, "window"),
+    ("indices-window-negative", "indices", lambda b: dict(window=-1), ValueError, "window"),
+    # window 0 is legal with compressed keys (section 5.1), not for a window-only layer
+    ("indices-window-zero-no-compressed", "indices", lambda b: dict(window=0, ratio=0), ValueError, "window"),
     ("indices-ratio-negative", "indices", lambda b: dict(ratio=-4), ValueError, "ratio"),
     ("indices-ids-with-window-only", "indices", lambda b: dict(ratio=0), ValueError, "compressed_ids"),
     ("indices-ids-float", "indices", lambda b: dict(compressed_ids=b["cmp_ids"].to(F64)), TypeError, "compressed_ids"),

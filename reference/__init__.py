@@ -2,7 +2,10 @@
 
 Every function converts its inputs to float64 CPU tensors (any float dtype or device is
 accepted), validates them before computing, never modifies them, sets no global torch state,
-and names the contract section it implements.
+and names the contract section it implements. The CPU is the definition; only inside an
+explicit ``reference._checks.compute_on(device)`` scope (``fixtures.run_oracle(...,
+compute_device=...)``, ``dsv4-oracle check --oracle-device``) does the same float64 code run
+on a CUDA device.
 """
 from .attention import sparse_attention_backward, sparse_attention_forward
 from .cp import cp_partition

@@ -24,6 +24,8 @@ def compact_rows(ids: torch.Tensor):
 def build_csa_indices(layout, *, window, ratio, compressed_ids=None):
     """Section 5: each real row's key ids ``[compressed part | window part]``, compacted.
 
+    - ``window``: ``W >= 0`` raw keys per row; ``W = 0`` (no window part, the DeepSeek-V3.2 DSA
+      configuration of section 5.1) needs compressed keys (``ratio > 0``);
     - ``ratio == 0``: window-only layer (no compressed part; ``compressed_ids`` must be None);
     - ``ratio > 0`` without ``compressed_ids``: every visible group ascending (HCA); the part's
       width is the largest group count of any document;
@@ -37,8 +39,11 @@ def build_csa_indices(layout, *, window, ratio, compressed_ids=None):
     """
     if not isinstance(layout, PackedLayout):
         raise TypeError(f"layout must be a PackedLayout, got {type(layout).__name__}")
-    window = as_int(window, "window", minimum=1)
+    window = as_int(window, "window", minimum=0)
     ratio = as_int(ratio, "ratio", minimum=0)
+    if window == 0 and ratio == 0:
+        raise ValueError("window=0 needs compressed keys (ratio > 0): a window-only layer "
+                         "(ratio 0) needs window >= 1")
     T = layout.num_rows
     real = layout.is_real
     rows = torch.arange(T)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import as_index, as_int
+from ._checks import CPU, as_index, as_int, compute_device
 
 __all__ = ["PackedLayout"]
 
@@ -34,13 +34,23 @@ class PackedLayout:
     - ``pos[t]``: the document position ``t - cu_seqlens_padded[doc]`` (-1 for capacity rows);
     - ``is_real[t]``: ``pos < L_doc``.
 
-    The layout is immutable: its tensors are private copies and must not be written to.
+    The layout is immutable: its tensors are private copies and must not be written to. They
+    are kept on the CPU and read on the oracle's compute device (a copy per device, made once,
+    inside ``reference._checks.compute_on``); the layout itself holds no state about devices.
     """
 
+    _TENSORS = ("cu_seqlens", "cu_seqlens_padded", "doc_lengths", "doc_padded_lengths", "doc",
+                "pos", "is_real")
+
     def __init__(self, cu_seqlens, cu_seqlens_padded=None, num_rows=None):
-        cu = _cumulative(cu_seqlens, "cu_seqlens")
+        with torch.device(CPU):
+            self._build(cu_seqlens, cu_seqlens_padded, num_rows)
+        self._copies: dict = {}
+
+    def _build(self, cu_seqlens, cu_seqlens_padded, num_rows):
+        cu = _cumulative(cu_seqlens, "cu_seqlens").to(CPU)
         cu_pad = cu.clone() if cu_seqlens_padded is None else _cumulative(
-            cu_seqlens_padded, "cu_seqlens_padded")
+            cu_seqlens_padded, "cu_seqlens_padded").to(CPU)
         if cu_pad.numel() != cu.numel():
             raise ValueError(
                 f"cu_seqlens_padded has {cu_pad.numel()} entries, cu_seqlens has {cu.numel()}; "
@@ -59,11 +69,9 @@ class PackedLayout:
         num_rows = as_int(num_rows, "num_rows", minimum=0)
         if num_rows < total:
             raise ValueError(f"num_rows={num_rows} is smaller than cu_seqlens_padded[-1]={total}")
-        self.cu_seqlens = cu
-        self.cu_seqlens_padded = cu_pad
+        self._cpu = {"cu_seqlens": cu, "cu_seqlens_padded": cu_pad, "doc_lengths": real,
+                     "doc_padded_lengths": padded}
         self.num_rows = num_rows
-        self.doc_lengths = real
-        self.doc_padded_lengths = padded
         rows = torch.arange(num_rows, dtype=torch.int64)
         # doc[t] = b with cu_pad[b] <= t < cu_pad[b+1]; right-bisection skips empty documents.
         doc = torch.searchsorted(cu_pad, rows, right=True) - 1
@@ -71,9 +79,28 @@ class PackedLayout:
         doc = torch.where(capacity, torch.full_like(doc, -1), doc)
         safe_doc = doc.clamp_min(0)
         pos = torch.where(capacity, torch.full_like(rows, -1), rows - cu_pad[safe_doc])
-        self.doc = doc
-        self.pos = pos
-        self.is_real = (~capacity) & (pos < real[safe_doc] if real.numel() else capacity)
+        self._cpu.update(doc=doc, pos=pos, is_real=(~capacity) & (
+            pos < real[safe_doc] if real.numel() else capacity))
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        dev = compute_device()
+        if dev == CPU:
+            return self._cpu[name]
+        key = (name, dev)
+        if key not in self._copies:
+            self._copies[key] = self._cpu[name].to(dev)
+        return self._copies[key]
+
+    cu_seqlens = property(lambda self: self._tensor("cu_seqlens"),
+                          doc="``cu_seqlens`` (int64, length B+1)")
+    cu_seqlens_padded = property(lambda self: self._tensor("cu_seqlens_padded"),
+                                 doc="``cu_seqlens_padded`` (int64, length B+1)")
+    doc_lengths = property(lambda self: self._tensor("doc_lengths"), doc="``L_b`` per document")
+    doc_padded_lengths = property(lambda self: self._tensor("doc_padded_lengths"),
+                                  doc="``P_b`` per document")
+    doc = property(lambda self: self._tensor("doc"), doc="per row: its document, -1 for capacity")
+    pos = property(lambda self: self._tensor("pos"), doc="per row: its document position")
+    is_real = property(lambda self: self._tensor("is_real"), doc="per row: a real token")
 
     # -- sizes -------------------------------------------------------------------------------
     @property
@@ -108,8 +135,8 @@ class PackedLayout:
 
     def doc_start(self) -> torch.Tensor:
         """Per row, the first physical row of its document (the row itself for capacity rows)."""
-        return torch.where(self.doc >= 0, torch.arange(self.num_rows) - self.pos,
-                           torch.arange(self.num_rows))
+        rows = torch.arange(self.num_rows, device=self.doc.device)
+        return torch.where(self.doc >= 0, rows - self.pos, rows)
 
     def __repr__(self) -> str:
         return (f"PackedLayout(cu_seqlens={self.cu_seqlens.tolist()}, "
@@ -117,9 +144,9 @@ class PackedLayout:
 
     def __eq__(self, other) -> bool:
         return (isinstance(other, PackedLayout) and self.num_rows == other.num_rows
-                and torch.equal(self.cu_seqlens, other.cu_seqlens)
-                and torch.equal(self.cu_seqlens_padded, other.cu_seqlens_padded))
+                and torch.equal(self._cpu["cu_seqlens"], other._cpu["cu_seqlens"])
+                and torch.equal(self._cpu["cu_seqlens_padded"], other._cpu["cu_seqlens_padded"]))
 
     def __hash__(self) -> int:
-        return hash((tuple(self.cu_seqlens.tolist()), tuple(self.cu_seqlens_padded.tolist()),
-                     self.num_rows))
+        return hash((tuple(self._cpu["cu_seqlens"].tolist()),
+                     tuple(self._cpu["cu_seqlens_padded"].tolist()), self.num_rows))
