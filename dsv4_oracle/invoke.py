@@ -212,13 +212,20 @@ def _is_layout(v) -> bool:
     return isinstance(v, reference.PackedLayout)
 
 
+# the tensors that define a PackedLayout and what it derives from them (contract section 1)
+_LAYOUT_TENSORS = ("cu_seqlens", "cu_seqlens_padded", "doc_lengths", "doc_padded_lengths", "doc",
+                   "pos", "is_real")
+
+
 def _layout_copy(lay):
-    """A copy of a PackedLayout whose tensors are private copies."""
-    c = copy.copy(lay)
-    for k, v in vars(lay).items():
-        if isinstance(v, torch.Tensor):
-            setattr(c, k, _twin(v))
-    return c
+    """A fresh PackedLayout built from private copies of ``lay``'s defining arrays."""
+    return type(lay)(lay.cu_seqlens.clone(), lay.cu_seqlens_padded.clone(), lay.num_rows)
+
+
+def _plain(obj) -> dict:
+    """An object's plain (scalar) attributes."""
+    return {k: v for k, v in vars(obj).items()
+            if v is None or isinstance(v, (bool, int, float, str))}
 
 
 def _hand_out(value, name: str, pairs: list, private: bool):
@@ -231,11 +238,9 @@ def _hand_out(value, name: str, pairs: list, private: bool):
         return handed
     if _is_layout(value):
         handed = _layout_copy(value)
-        for k, v in vars(handed).items():
-            if isinstance(v, torch.Tensor):
-                pairs.append((f"{name}.{k}", getattr(value, k), v))
-        pairs.append((name, {k: v for k, v in vars(value).items()
-                             if not isinstance(v, torch.Tensor)}, handed))
+        for k in _LAYOUT_TENSORS:
+            pairs.append((f"{name}.{k}", getattr(value, k), getattr(handed, k)))
+        pairs.append((name, _plain(value), handed))
         return handed
     if isinstance(value, (tuple, list)) and any(
             isinstance(v, torch.Tensor) or _is_layout(v) for v in value):
@@ -258,13 +263,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _written(before, after) -> str | None:
     """How ``after`` differs from ``before`` (``None`` when bit for bit the same)."""
     if isinstance(before, dict):               # a layout's plain attributes
-        changed = [k for k in set(before) | set(vars(after))
-                   if not isinstance(vars(after).get(k), torch.Tensor)
-                   and before.get(k) != vars(after).get(k)]
+        now = _plain(after)
+        changed = [k for k in set(before) | set(now) if before.get(k) != now.get(k)]
         if not changed:
             return None
         k = sorted(changed)[0]
-        return f"attribute {k} changed from {before.get(k)!r} to {vars(after).get(k)!r}"
+        return f"attribute {k} changed from {before.get(k)!r} to {now.get(k)!r}"
     if after.dtype != before.dtype or tuple(after.shape) != tuple(before.shape):
         return (f"changed from {before.dtype} {list(before.shape)} to {after.dtype} "
                 f"{list(after.shape)} in place")
