@@ -40,6 +40,9 @@ from reference.error_model import Precision
 def _gather(q, kv, topk_idxs, softmax_scale):
     used = topk_idxs >= 0
     k = kv[topk_idxs.clamp_min(0).long()].float()                      # [T, K, D]
+    # unused slots read row 0, which may hold NaN: zero them, since 0 * NaN is NaN in the
+    # products below (the catalog's nan-poison-* cases check this)
+    k = torch.where(used[..., None], k, torch.zeros_like(k))
     logits = torch.einsum("thd,tkd->thk", q.float(), k) * softmax_scale
     return used, k, logits.masked_fill(~used[:, None, :], float("-inf"))
 

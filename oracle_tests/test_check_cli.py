@@ -136,6 +136,15 @@ def test_example_adapter_passes(capsys):
         assert f"  {q} " not in out
 
 
+def test_example_adapter_keeps_nan_of_unselected_key_rows_out(capsys):
+    """nan-poison-edge-rows puts NaN in key row 0, the row a clamped invalid id reads: the
+    example must not let it reach out (0 * NaN is NaN), least of all on sink-only rows."""
+    rc, out, err = check(capsys, "--impl", EXAMPLE, "--case", "nan-poison-edge-rows",
+                         "--replays", "2")
+    assert rc == 0, out + err
+    assert out.rstrip().splitlines()[-1].startswith("PASS")
+
+
 def test_sign_flipped_adapter_is_caught(capsys, tmp_path):
     rc, out, err = check(capsys, "--impl", SIGN_FLIP, *CASES, "--replays", "2",
                          "--junit", str(tmp_path / "j.xml"))
