@@ -260,7 +260,7 @@ MUTANTS: tuple[Mutant, ...] = (
        "for logits above 88)",
        (TB, "e = torch.exp(s - m.unsqueeze(-1))", "m = torch.zeros_like(m)\n"
         "        e = torch.exp(s - m.unsqueeze(-1))"),
-       first=["padding-edge-layout"]),
+       first=["large-logits"]),
     _m("row-chunks-of-7", "every chunked op works in chunks of 7 rows instead of its memory "
        "budget",
        (TB, "    budget = _CHUNK_BUDGET.get(device.type, _CHUNK_BUDGET[\"cpu\"])\n"
@@ -368,10 +368,10 @@ MUTANTS: tuple[Mutant, ...] = (
     _m("grad-floor-mask-dropped", "the clipped gradient ignores the mask m_c = 1[p_c >= e]",
        (TB, "tm = torch.where(v & (p >= fl), torch.clamp_min(t32, fl), torch.zeros_like(t32))",
         "tm = torch.where(v, torch.clamp_min(t32, fl), torch.zeros_like(t32))"),
-       first=["padding-edge-layout"]),
+       first=["indexer-score-spread"]),
     _m("relu-gate-ge", "indexer gradient gate 1[z >= 0] instead of 1[z > 0]",
        (TB, "gate = _operand((z > 0).to(F32)", "gate = _operand((z >= 0).to(F32)"),
-       first=["padding-edge-layout"]),
+       first=["indexer-zero-dots"]),
     _m("grad-sign-flipped", "indexer logit gradient gI with the wrong sign",
        (TB, "g = gs * (p * tm.sum(dim=1, keepdim=True) - tm)",
         "g = gs * (tm - p * tm.sum(dim=1, keepdim=True))"),
@@ -383,7 +383,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _m("teacher-not-detached", "the layer's indexer loss lets gradient reach q, kv_cmp and the "
        "sink through the teacher",
        (LAYER, _LAYER_LOSS, _TEACHER_ATTACHED),
-       first=["dtype-float64"]),
+       first=["padding-edge-layout"]),
     _m("layer-n-from-padded-rows", "the layer normalises the loss by the packed row count",
        (LAYER, "n_real = layout.num_real if num_real is None",
         "n_real = layout.num_rows if num_real is None"),
