@@ -603,15 +603,23 @@ def _backward_under(j: _Judging, st: Stage, convention: str) -> tuple:
     forward on the consumed ``q``, ``kv``, ids and sink (``"recomputed"``). Returns
     ``(checks, expected, bounds)``."""
     override = {}
+    p = j.prec(st.op)
+    out_error = None
     if convention == "recomputed":
         out_o, lse_o = j.oracle(_PRODUCER["out"])
         override = {"out": out_o, "lse": lse_o}
     v = j.reads(st, **override)
+    if convention == "recomputed":
+        # the recomputed out is the backward's own forward: within the forward's bound
+        out_error = j.memo(("bound", "recomputed out", p), lambda: EM.attention_forward_bound(
+            v["q"], v["kv"], v["ids"], v["sink"], out_o, lse_o, precision=p,
+            v_dim=j.case.v_dim, lengths=v["att_lengths"])[0],
+            *(v[r] for r in ("q", "kv", "ids", "sink", "att_lengths")))
     g_o = j.oracle(st, **override)
-    p = j.prec(st.op)
-    bounds = j.memo(("bound", st.op, p), lambda: EM.attention_backward_bound(
+    bounds = j.memo(("bound", st.op, p, convention), lambda: EM.attention_backward_bound(
         v["q"], v["kv"], v["ids"], v["sink"], v["out"], v["lse"], v["dout"], *g_o,
-        precision=p, v_dim=j.case.v_dim, lengths=v["att_lengths"]), *(v[r] for r in st.reads))
+        precision=p, v_dim=j.case.v_dim, lengths=v["att_lengths"], out_error=out_error),
+        *(v[r] for r in st.reads))
     checks = [j.numeric(name, e, b) for name, e, b in zip(_GRADS, g_o, bounds) if name in j.got]
     return checks, g_o, bounds
 
