@@ -23,7 +23,8 @@ the same arguments as the adapter's op.
   previous stages produced; a stage it lacks, but whose outputs a later stage reads, is replaced
   by the oracle's result rounded as a kernel stores it (:attr:`Stage.stored`).
 - :func:`run_layer`: the packed layer (``csa_layer``): forward, then autograd backward of
-  ``out`` (upstream ``dout``) and of the indexer loss (upstream 1).
+  ``out`` (upstream ``dout``) and of the indexer loss (upstream 1), and of the loss alone
+  (section 8: its gradients on ``q``, ``kv`` and the sink must be exact zeros).
 - :func:`judge`: stage by stage, in pipeline order, the oracle on what that stage consumed,
   with its bound (``reference.error_model``) and its primitive check (``compare``). A stage
   that reads an output whose own check found it unusable (a non-finite pattern or a shape the
@@ -76,6 +77,7 @@ QUANTITIES = {
     "dq_idx": ("8", "gradient wrt q_idx"),
     "dw": ("8", "gradient wrt the indexer weights"),
     "dk_idx": ("8", "gradient wrt k_idx"),
+    "loss_detached": ("8", "the indexer loss alone backpropagates exact zeros to q, kv, sink"),
     "replays": ("11", "bitwise identical replays"),
     "grad_modes": ("11", "identical bits in no_grad / inference_mode / grad-enabled"),
     "no_mutation": ("11", "no input modified"),
@@ -274,7 +276,10 @@ def layer_applies(case) -> bool:
 def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
     """The packed layer of ``case``: ``adapter.csa_layer`` forward on leaf copies of the inputs
     and, with ``backward``, autograd backward of ``out`` (upstream ``x["dout"]``) and of the
-    indexer loss (upstream 1). A leaf that autograd gives no gradient gets zeros (no flow)."""
+    indexer loss (upstream 1). A leaf that autograd gives no gradient gets zeros (no flow).
+    Before that, the loss alone is backpropagated to ``q``, ``kv`` and the sink (contract
+    section 8: the teacher is detached, so these are exact zeros): ``got["loss_dq"]``,
+    ``["loss_dkv"]``, ``["loss_dsink"]``."""
     op = "csa_layer"
     lay = case.layout()
     train = backward and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
@@ -288,11 +293,18 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
     if case.has_indexer:
         kw.update(q_idx=leaf["q_idx"], k_idx=leaf["k_idx"], weights=leaf["weights"],
                   topk=case.topk)
+    attention_leaves = [k for k in ("q", "kv_raw", "kv_cmp", "sink") if k in leaf]
+    loss_only: dict = {}
+
     def forward_backward(*args, **kwargs):
         res = adapter.op(op)(*args, **kwargs)
         if train:
             roots, grads = [res.out], [x["dout"]]
             if isinstance(res.loss, torch.Tensor) and res.loss.requires_grad:
+                # section 8: no gradient reaches q, kv or the sink through the loss
+                g_l = torch.autograd.grad(res.loss, [leaf[k] for k in attention_leaves],
+                                          retain_graph=True, allow_unused=True)
+                loss_only.update(zip(attention_leaves, g_l))
                 roots.append(res.loss)
                 grads.append(torch.ones_like(res.loss))
             torch.autograd.backward(roots, grads)
@@ -322,6 +334,11 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
         got["dkv"] = torch.cat([g("kv_raw")] + ([g("kv_cmp")] if case.ratio else []))
         if case.has_indexer and "loss" in got:
             got.update(dq_idx=g("q_idx"), dw=g("weights"), dk_idx=g("k_idx"))
+        if loss_only:
+            z = lambda k: (loss_only[k] if loss_only[k] is not None  # noqa: E731
+                           else torch.zeros_like(leaf[k]))
+            got["loss_dq"], got["loss_dsink"] = z("q"), z("sink")
+            got["loss_dkv"] = torch.cat([z("kv_raw")] + ([z("kv_cmp")] if case.ratio else []))
     for k, v in got.items():
         if not isinstance(v, torch.Tensor):
             raise OpError(op, f"result field {k} is {type(v).__name__}, not a tensor")
@@ -606,15 +623,23 @@ def _backward_under(j: _Judging, st: Stage, convention: str) -> tuple:
     forward on the consumed ``q``, ``kv``, ids and sink (``"recomputed"``). Returns
     ``(checks, expected, bounds)``."""
     override = {}
+    p = j.prec(st.op)
+    out_error = None
     if convention == "recomputed":
         out_o, lse_o = j.oracle(_PRODUCER["out"])
         override = {"out": out_o, "lse": lse_o}
     v = j.reads(st, **override)
+    if convention == "recomputed":
+        # the recomputed out is the backward's own forward: within the forward's bound
+        out_error = j.memo(("bound", "recomputed out", p), lambda: EM.attention_forward_bound(
+            v["q"], v["kv"], v["ids"], v["sink"], out_o, lse_o, precision=p,
+            v_dim=j.case.v_dim, lengths=v["att_lengths"])[0],
+            *(v[r] for r in ("q", "kv", "ids", "sink", "att_lengths")))
     g_o = j.oracle(st, **override)
-    p = j.prec(st.op)
-    bounds = j.memo(("bound", st.op, p), lambda: EM.attention_backward_bound(
+    bounds = j.memo(("bound", st.op, p, convention), lambda: EM.attention_backward_bound(
         v["q"], v["kv"], v["ids"], v["sink"], v["out"], v["lse"], v["dout"], *g_o,
-        precision=p, v_dim=j.case.v_dim, lengths=v["att_lengths"]), *(v[r] for r in st.reads))
+        precision=p, v_dim=j.case.v_dim, lengths=v["att_lengths"], out_error=out_error),
+        *(v[r] for r in st.reads))
     checks = [j.numeric(name, e, b) for name, e, b in zip(_GRADS, g_o, bounds) if name in j.got]
     return checks, g_o, bounds
 
@@ -779,6 +804,17 @@ _CHECKED = {"indexer_scores": (("scores", "numeric"),),
                                          ("dk_idx", "numeric"))}
 
 
+LOSS_DETACHED = ("loss_dq", "loss_dkv", "loss_dsink")
+
+
+def _judge_loss_detached(got: dict) -> list:
+    """Section 8: the gradients of the indexer loss alone wrt ``q``, ``kv`` and the sink (the
+    packed layer's, :func:`run_layer`) are exact zeros: the teacher is detached."""
+    return [_tagged(compare_exact(f"loss alone: {n[5:]} == 0", got[n].detach().to("cpu"),
+                                  torch.zeros(got[n].shape, dtype=got[n].dtype)),
+                    "loss_detached") for n in LOSS_DETACHED if n in got]
+
+
 def _not_judged_stage(j: _Judging, st: Stage, reason: str) -> list:
     return [_tagged(not_judged(q, kind, reason), q, blocked=True) for q, kind in _CHECKED[st.op]
             if q in j.got]
@@ -855,6 +891,7 @@ def judge(case, x: dict, got: dict, *, precision, consumed: dict | None = None,
             elif c.extra.get("blocked"):
                 j.blocked.setdefault(q, c.extra["not_judged"])
             v.append(c)
+    v += _judge_loss_detached(got)
     for st in STAGES:
         if st.op in not_run:
             v += [_tagged(not_judged(q, kind, f"{st.op} did not run: {not_run[st.op]}"), q)

@@ -266,3 +266,35 @@ def test_a_failure_in_one_head_says_so():
     out = num["out"]
     assert not out.passed and "over-bound elements in head 1" in out.detail, out.detail
     assert out.extra["concentration"].startswith("all ")
+
+
+# ---------------------------------------------------------------------------------------------
+# contract section 8: no gradient reaches q, kv or the sink through the indexer loss
+# ---------------------------------------------------------------------------------------------
+class _LeakyTeacherLayer(GpuImplAdapter):
+    """The torch layer whose loss keeps its value but lets a small gradient reach ``q``
+    (as an attached teacher does): far below the ``dq`` bound of a bf16 case."""
+
+    def csa_layer(self, q, kv, sink, layout, **kwargs):
+        res = super().csa_layer(q, kv, sink, layout, **kwargs)
+        real = layout.is_real.to(q.device)
+        leak = 1e-6 * q.float()[real].square().sum()             # real rows only
+        return res._replace(loss=res.loss + (leak - leak.detach()))
+
+
+@pytest.mark.parametrize("leaky", [False, True], ids=["detached", "leaky"])
+def test_the_loss_alone_must_give_exact_zeros_on_q_kv_sink(leaky):
+    cls = _LeakyTeacherLayer if leaky else GpuImplAdapter
+    ad = Adapter(cls("torch", "cpu"), name="layer", device="cpu")
+    case = fixtures.get("padding-edge-layout")
+    x = case.materialize()
+    run = K.run_layer(ad, case, x)
+    checks = K.judge(case, x, run.got, consumed=run.consumed,
+                     precision=default_precision(case.torch_dtype))
+    detached = {c.name: c for c in checks if c.extra["quantity"] == "loss_detached"}
+    assert sorted(detached) == ["loss alone: dkv == 0", "loss alone: dq == 0",
+                                "loss alone: dsink == 0"]
+    assert [n for n, c in detached.items() if not c.passed] == (
+        ["loss alone: dq == 0"] if leaky else [])
+    # the leak is invisible to the combined dq (out and loss backpropagated together)
+    assert all(c.passed for c in checks if c.extra["quantity"] != "loss_detached")

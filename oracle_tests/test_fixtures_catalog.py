@@ -224,6 +224,38 @@ def _index_hazards(c, x, o):
         assert {-(2 ** 31), 2 ** 31 - 1} <= set(ids.flatten().tolist()) or c.index_dtype == "int64"
 
 
+def _valid_slots(c, o, ids, lengths):
+    """Selected, valid slots ``[T, width]`` (real rows only)."""
+    width = ids.shape[1]
+    ok = (ids >= 0) & (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1))
+    return ok & c.layout().is_real.unsqueeze(1)
+
+
+def _large_logits(c, x, o):
+    ids, ok = o["ids"], _valid_slots(c, o, o["ids"], o["lengths"])
+    kv = x["kv"].double()[ids.clamp_min(0)]                                    # [T, width, D]
+    s = torch.einsum("thd,tkd->thk", x["q"].double(), kv) * c.head_dim ** -0.5
+    s = s.masked_fill(~ok.unsqueeze(1), 0.0)
+    assert float(s.max()) > math.log(torch.finfo(torch.float32).max), \
+        "no attention logit beyond float32's exp range"
+
+
+def _zero_dots(c, x, o):
+    ids = o["cmp_ids"]
+    ok = _valid_slots(c, o, ids, o["cmp_lengths"]) & (o["target"] > 0)
+    z = torch.einsum("thd,tkd->thk", x["q_idx"].double(), x["k_idx"].double()[ids.clamp_min(0)])
+    hit = ok.unsqueeze(1) & (z == 0) & (x["weights"] != 0).unsqueeze(2)
+    assert bool(hit.any()), "no selected slot with z == 0 exactly and a nonzero weight"
+    assert bool((ok.unsqueeze(1) & (z > 0)).any()), "no selected slot with z > 0 (control)"
+
+
+def _score_spread(c, x, o):
+    ok = _valid_slots(c, o, o["cmp_ids"], o["cmp_lengths"])
+    hit = ok & (o["predict"] < math.exp(-100)) & (o["target"] > 1e-3)
+    assert bool(hit.any()), "no selected slot with a student probability below exp(-100) " \
+                            "and teacher mass"
+
+
 PREDICATES = {
     "padding": _padding, "empty_docs": _empty_docs, "capacity_rows": _capacity,
     "short_docs": _short_docs, "no_groups": _no_groups, "sink_only_rows": _sink_only,
@@ -234,6 +266,7 @@ PREDICATES = {
     "layer_kinds": _layer_kinds, "dtypes": _dtypes, "policies": _policies,
     "dsv4_flash": _flash, "dsv4_pro": _pro, "public_small": _public, "dsa_v32": _dsa,
     "index_hazards": _index_hazards,
+    "large_logits": _large_logits, "zero_dots": _zero_dots, "score_spread": _score_spread,
 }
 
 

@@ -19,7 +19,16 @@ FAST = {
     "dsink-sign": "dsink",
     "kl-arguments-swapped": "loss",
     "input-mutated-in-place": "no_mutation",
+    "teacher-not-detached": "loss_detached",     # the layer's loss alone must give exact zeros
 }
+
+# mutants that need inputs of their own: (mutant, the case built for it, the killing quantity)
+AIMED = [
+    ("no-max-subtraction", "large-logits", "run"),      # lse = -inf, which the loss op rejects
+    ("relu-gate-ge", "indexer-zero-dots", "dq_idx"),
+    ("grad-floor-mask-dropped", "indexer-score-spread", "dq_idx"),
+    ("teacher-row-silenced-by-one-head", "sink-mixed", "loss"),
+]
 
 
 def _run(name):
@@ -38,6 +47,21 @@ def test_mutant_dies_on_the_expected_quantity(name):
     assert r.status == "killed", f"{name} survived {CASE}"
     assert r.killer["case"] == CASE
     assert r.killer["quantity"] == FAST[name], r.killer
+
+
+@pytest.mark.parametrize("name,case,quantity", AIMED, ids=[a[0] for a in AIMED])
+def test_mutant_dies_on_the_case_built_for_it(name, case, quantity):
+    r = M.run_mutant(M.select_mutants([name])[0], [fixtures.get(case)], replays=2)
+    assert r.status == "killed", f"{name} survived {case}"
+    assert r.killer["quantity"] == quantity, r.killer
+
+
+def test_the_recomputed_backward_convention_survives():
+    """Contract section 6: Delta from the backward's own forward is an allowed variant."""
+    m = M.select_mutants(["delta-recomputed"])[0]
+    assert m.expect == "survives"
+    r = M.run_mutant(m, [fixtures.get("padding-edge-layout")], replays=2)
+    assert r.status == "survived", r.killer
 
 
 def test_every_mutant_matches_the_source_exactly_once():

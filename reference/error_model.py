@@ -236,7 +236,8 @@ def attention_forward_bound(q, kv, ids, sink, out, lse, *, precision, scale=None
 
 
 def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *, precision,
-                             scale=None, v_dim=None, lengths=None, chunk_rows=None):
+                             scale=None, v_dim=None, lengths=None, chunk_rows=None,
+                             out_error=None):
     """Section 12 bound for the section 6 backward: ``(bound_dq [T,H,D], bound_dkv [S,D],
     bound_dsink [H])``.
 
@@ -253,6 +254,12 @@ def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *
       ``u_a n_s sum (|scale| |dS_j| |q| + P_j |dO|)``, plus ``u_o |dkv| + eta_o``;
     - ``bound_dsink[h] = sum_t p_sink (u_a ((1 - p_sink) |sink - lse| + 5) |Delta| + u_a Dv c)
       + u_a n_h sum_t p_sink |Delta| + u_s |dsink| + eta_s``.
+
+    ``out_error`` (``[T,H,Dv]``, default none): for a backward that forms ``Delta`` from its own
+    recomputed ``out`` (contract section 6, the autograd-style convention; ``out`` is then the
+    oracle's), a bound on that ``out`` minus ``out``. With ``e_Delta = |dO|.out_error`` it adds
+    ``P_j e_Delta`` to ``E_dS_j`` (hence to ``dq`` and ``dkv``) and ``sum_t p_sink e_Delta`` to
+    ``bound_dsink``.
     """
     u = _units(precision)
     q, kv, ids, sink, scale, dv, lengths = _attention_inputs(q, kv, ids, sink, scale, v_dim, lengths)
@@ -264,6 +271,9 @@ def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *
     dq = as_float64(dq, "dq", ndim=3)
     dkv = as_float64(dkv, "dkv", ndim=2)
     dsink = as_float64(dsink, "dsink", ndim=1)
+    if out_error is not None:
+        out_error = as_float64(out_error, "out_error", ndim=3)
+        _same_shape(out_error, "out_error", (T, H, dv))
     for name, t, shape in (("out", out, (T, H, dv)), ("lse", lse, (T, H)),
                            ("dout", dout, (T, H, dv)), ("dq", dq, (T, H, D)),
                            ("dkv", dkv, (S, D)), ("dsink", dsink, (H,))):
@@ -301,6 +311,9 @@ def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *
         ds = (p * (dp - delta.unsqueeze(-1))).abs()                             # |dS|
         e_ds = (rel_p + 2 * u.a + u.o).unsqueeze(-1) * ds \
             + u.a * dv * p * (bmag + c.unsqueeze(-1)) + u.eo * v.unsqueeze(1)
+        e_delta = torch.zeros_like(delta) if out_error is None else \
+            (do.abs() * out_error[r0:r1]).sum(dim=-1).masked_fill(empty, 0.0)    # [n, H]
+        e_ds = e_ds + p * e_delta.unsqueeze(-1)
         e_ds = e_ds.masked_fill(empty.unsqueeze(-1), 0.0)
         kabs = kg.abs()
         b_dq[r0:r1] = sc * torch.bmm(e_ds, kabs) + (nv * u.a).unsqueeze(-1) * sc * torch.bmm(ds, kabs)
@@ -318,7 +331,7 @@ def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *
         z = sink.unsqueeze(0) - l0
         ps = torch.sigmoid(z).masked_fill(empty, 0.0)
         rel_ps = u.a * (torch.where(torch.isfinite(z), (1 - ps) * z.abs(), torch.zeros_like(z)) + 5)
-        err_sink += (ps * (rel_ps * delta.abs() + u.a * dv * c)).sum(dim=0)
+        err_sink += (ps * (rel_ps * delta.abs() + u.a * dv * c + e_delta)).sum(dim=0)
         mag_sink += (ps * delta.abs()).sum(dim=0)
         n_sink += (~empty).to(F64).sum(dim=0)
     b_dq += (u.a + u.o) * dq.abs() + u.eo
