@@ -1,5 +1,5 @@
 """Time of the CP layer (``gpu_impl/cp.py``, forward + backward) per CP size, and the share of
-that time spent in communication (issue 5, item 5).
+that time spent in communication.
 
 Every CP size runs in fresh processes (one per rank; gloo on the CPU, NCCL on GPUs with
 ``NCCL_NVLS_ENABLE=0``). Each rank draws random local inputs (seeded per rank), then per

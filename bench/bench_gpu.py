@@ -1,6 +1,6 @@
 """GPU benchmark of the cuDNN backend (the H200 lane); results go to docs/PERFORMANCE.md.
 
-Shapes (issue 4): T in {4096, 8192}, H 64, D 512 (Dv 512), W 128, top-k K 512 (so 640 key
+Shapes: T in {4096, 8192}, H 64, D 512 (Dv 512), W 128, top-k K 512 (so 640 key
 slots per row: 512 compressed + 128 window), H_I 64, D_I 128, ratio 4 (C = T/4 compressed keys).
 Key ids are synthetic but layer-like: row t selects 512 distinct compressed ids at random among
 the C (ids T..T+C-1) and its window t-127..t (fewer at the start, -1 padded), with lengths.

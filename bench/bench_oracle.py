@@ -1,4 +1,4 @@
-"""Speed and peak memory of the float64 oracle next to a dense-mask float64 form (issue 2, item 4).
+"""Speed and peak memory of the float64 oracle next to a dense-mask float64 form.
 
 The measured pipeline is one DSv4 CSA layer's reference work on a packed THD micro-batch:
 

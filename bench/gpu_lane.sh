@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One GPU step of the H200 lane (docs/GPU_RUNS.md records each run): environment probe, the
-# benchmark (bench/bench_gpu.py) and the cuDNN-backend GPU tests. Logs and results go to $OUT.
-# Run from the repository root after the cuDNN wheelhouse is installed (source /tmp/site/env.sh).
+# One GPU step of the H200 lane (docs/GPU_RESULTS.md keeps the current results): environment
+# probe, the benchmark (bench/bench_gpu.py) and the cuDNN-backend GPU tests. Logs and results go
+# to $OUT. Run from the repository root with torch (CUDA), triton and nvidia-cudnn-frontend
+# importable (pip install -e '.[test,gpu]').
 #   BENCH_T="4096 8192"  BENCH_TIMEOUT=200  TEST_TIMEOUT=280  TESTS="-m gpu -k cudnn"
 set -o pipefail
 OUT=${OUT:-/tmp/lane-out}

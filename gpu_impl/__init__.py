@@ -1,4 +1,4 @@
-"""gpu_impl: implementations of the contract (``shared/CONTRACT.md``) in working precision.
+"""gpu_impl: implementations of the contract (``docs/contract.md``) in working precision.
 
 - :mod:`gpu_impl.api`: the op-level functions with ``backend="auto"|"torch"|"cudnn"`` and
   ``deterministic``; every result names the backend that ran (a ``backend`` field).

@@ -26,7 +26,7 @@ order on every rank (identical bits everywhere); the halo gradient is one point-
 message added in a fixed order. NCCL documents no summation order for its reductions (ring or
 tree, chunking, protocol and channel count depend on the message size, the topology, the NCCL
 version and environment variables), so bits of ``all_reduce`` / ``reduce_scatter`` are not
-something we rely on; ``deterministic=False`` uses them (``reduce_scatter_tensor`` /
+something the deterministic mode relies on; ``deterministic=False`` uses them (``reduce_scatter_tensor`` /
 ``all_reduce``). With the per-op backends deterministic too, a fixed CP size and process layout
 gives bitwise identical results run to run. Results across CP sizes differ in the last bits
 (different fold orders) and are judged against the oracle by the error model.

@@ -1,4 +1,4 @@
-"""Smoke test of the oracle benchmark (``bench/bench_oracle.py``, issue 2 item 4): the ``--quick``
+"""Smoke test of the oracle benchmark (``bench/bench_oracle.py``): the ``--quick``
 shape runs end to end in fresh subprocesses, reports every stage of both forms with the FLOP
 counts its docstring states, and its dense form computes the oracle's numbers (ids exactly,
 floats within the error model). Speed itself is measured by the benchmark, never asserted here."""

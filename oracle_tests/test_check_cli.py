@@ -1,4 +1,4 @@
-"""``dsv4-oracle check`` (issue 7): the command end to end on a few small cases.
+"""``dsv4-oracle check``: the command end to end on a few small cases.
 
 - the built-in ``reference`` adapter shows zero error on every numeric check (a self-test of the
   runner), and ``gpu_impl:torch`` passes with exit status 0;

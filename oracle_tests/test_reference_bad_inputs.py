@@ -1,4 +1,4 @@
-"""Every bad input raises the documented error (contract sections 1-10; issue 2 scope 3).
+"""Every bad input raises the documented error (contract sections 1-10).
 
 Each row of the table below changes one argument of an otherwise valid call. The call must raise
 ``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong shape, value or layout), the message

@@ -1,4 +1,4 @@
-"""Lightning indexer scores (contract section 7) and the issue's worked example (sections 4, 7).
+"""Lightning indexer scores (contract section 7) and the worked example of contract section 4 (sections 4, 7).
 
 Integer-valued inputs make every float64 operation of the definition exact, so the scores are
 checked with ``torch.equal`` against the definition written as Python loops; random inputs are

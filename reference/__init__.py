@@ -1,4 +1,4 @@
-"""dsv4-oracle float64 reference: the definition of ``shared/CONTRACT.md``.
+"""dsv4-oracle float64 reference: the definition of the contract (``docs/contract.md``).
 
 Every function converts its inputs to float64 CPU tensors (any float dtype or device is
 accepted), validates them before computing, never modifies them, sets no global torch state,
