@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 
+from dsv4_oracle.protocol import OPS as PROTOCOL_OPS
 from reference.constants import GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
 
 from . import torch_backend
@@ -45,9 +46,8 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "torch", "cudnn")
-OPS = ("stable_topk", "indexer_scores", "build_csa_indices", "sparse_attention_forward",
-       "sparse_attention_backward", "sparse_indexer_loss", "sparse_indexer_loss_grad",
-       "q_rms_norm")
+# the protocol's ops (dsv4_oracle.protocol, pipeline order) plus the query norm (section 9)
+OPS = PROTOCOL_OPS + ("q_rms_norm",)
 
 
 class BackendUnavailable(RuntimeError):

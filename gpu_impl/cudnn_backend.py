@@ -59,6 +59,7 @@ from reference.constants import GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
 from reference.indexer_loss import IndexerLoss
 
 from . import torch_backend
+from .api import OPS
 from .checks import (choice, reject_loss_values, reject_nan, reject_negative,
                      validate_attention_backward,
                      validate_attention_forward, validate_indexer_scores,
@@ -665,9 +666,7 @@ def describe(op: str, *args, deterministic: bool = True, **kwargs) -> str:
     """The kernel chain ``op`` runs for these arguments (same signature as the op), e.g.
     ``"cudnn: cudnn.indexer_top_k_wrapper(deterministic=True, tie_break=1)"`` or
     ``"torch: k=4096 > 2048 (the cuDNN Top-K limit)"``. Reads metadata only."""
-    op = choice(op, "op", ("stable_topk", "indexer_scores", "build_csa_indices",
-                           "sparse_attention_forward", "sparse_attention_backward",
-                           "sparse_indexer_loss", "sparse_indexer_loss_grad", "q_rms_norm"))
+    op = choice(op, "op", OPS)
     if op in NO_KERNEL_OPS:
         return "torch: no cuDNN kernel for this op"
     first = args[0] if args else next(iter(kwargs.values()))
