@@ -205,6 +205,10 @@ def _public(c, x, o):
     assert c.id.startswith("public-")
 
 
+def _selfcheck(c, x, o):
+    assert c.id.startswith("selfcheck-") and c.is_layer and x["q"].dtype == torch.float64
+
+
 PREDICATES = {
     "padding": _padding, "empty_docs": _empty_docs, "capacity_rows": _capacity,
     "short_docs": _short_docs, "no_groups": _no_groups, "sink_only_rows": _sink_only,
@@ -214,6 +218,7 @@ PREDICATES = {
     "duplicate_ids": _duplicates, "sinks": _sinks, "nan_poison": _poison, "cp": _cp,
     "layer_kinds": _layer_kinds, "dtypes": _dtypes, "policies": _policies,
     "dsv4_flash": _flash, "dsv4_pro": _pro, "public_small": _public,
+    "selfcheck": _selfcheck,
 }
 
 
