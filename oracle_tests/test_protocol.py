@@ -14,6 +14,7 @@ from gpu_impl import api, layer
 
 def test_everything_lists_the_protocols_ops_in_pipeline_order():
     assert tuple(s.op for s in conformance.STAGES) == protocol.OPS
+    assert tuple(conformance._CHECKED) == protocol.OPS
     assert {s.op: s.section for s in conformance.STAGES} == \
         {op: protocol.SECTIONS[op] for op in protocol.OPS}
     assert adapters.OPS is protocol.OPS and adapters.ALL_OPS is protocol.ALL_OPS
