@@ -1,32 +1,9 @@
 """The adapter protocol: how ``dsv4-oracle check`` (and the pytest suite) call an implementation.
 
 An *adapter* is any object (a module, an instance, or a class/factory that makes one) with
-some of these callables, named and called exactly like the float64 oracle's functions
-(``reference``), positional arguments first:
-
-====================================  ===========================================================
-op (contract section)                 call -> return (first fields; more are ignored)
-====================================  ===========================================================
-``indexer_scores`` (7)                ``(q_idx, k_idx, weights, layout, ratio)`` -> ``scores [T,C]``
-``stable_topk`` (4)                   ``(scores, k, *, order)`` -> ``(ids [T,K], lengths [T])``
-``build_csa_indices`` (5)             ``(layout, *, window, ratio, compressed_ids)`` -> ``(ids, lengths)``
-``sparse_attention_forward`` (6)      ``(q, kv, ids, sink, *, v_dim, lengths)`` -> ``(out, lse)``
-``sparse_attention_backward`` (6)     ``(q, kv, ids, sink, out, lse, dout, *, v_dim, lengths)``
-                                      -> ``(dq, dkv, dsink)``
-``sparse_indexer_loss`` (8)           ``(q, kv_cmp, sink, lse, compressed_ids, index_scores,
-                                      layout, *, coeff)`` -> ``(loss, kl, target, predict)``
-``sparse_indexer_loss_grad`` (8)      ``(q_idx, k_idx, weights, compressed_ids, target, predict,
-                                      *, coeff, num_real)`` -> ``(dq_idx, dw, dk_idx)``
-``csa_layer`` (4-8, the packed layer) the signature of :func:`gpu_impl.layer.csa_layer`; returns
-                                      an object with ``out, loss, lse, ids, lengths`` and, for a
-                                      CSA layer, ``compressed_ids, compressed_lengths,
-                                      index_scores, indexer_loss`` (``kl, target, predict``)
-====================================  ===========================================================
-
-``layout`` is a :class:`reference.PackedLayout` (``cu_seqlens``, ``cu_seqlens_padded``,
-``num_rows``, ...); ids are in the logical key space of section 2. Tensors arrive on the
-adapter's ``device`` in the case's dtype; results may be any dtype on any device. A result that
-carries a ``backend`` attribute (as :mod:`gpu_impl.api` results do) is recorded in the report.
+some of the ops of :mod:`dsv4_oracle.protocol` (the op names in pipeline order, and one
+``typing.Protocol`` per op with its exact call and what it returns), named and called exactly
+like the float64 oracle's functions (``reference``), positional arguments first.
 
 Optional attributes: ``name`` (str), ``device`` (``"cpu"`` by default), ``precision`` (a
 :class:`reference.error_model.Precision`, or a callable ``dtype -> Precision``; the default is
@@ -70,17 +47,13 @@ import torch
 from reference.error_model import ORACLE_PRECISION, Precision
 
 from .invoke import describe
+from .protocol import ALL_OPS, LAYER_OP, OPS
 
 __all__ = [
     "OPS", "LAYER_OP", "ALL_OPS", "BUILTIN", "AdapterError", "Adapter", "load_adapter",
     "default_impl", "default_precision", "looser_than_default", "GpuImplAdapter",
 ]
 
-# the op-level protocol, in pipeline order
-OPS = ("indexer_scores", "stable_topk", "build_csa_indices", "sparse_attention_forward",
-       "sparse_attention_backward", "sparse_indexer_loss", "sparse_indexer_loss_grad")
-LAYER_OP = "csa_layer"
-ALL_OPS = OPS + (LAYER_OP,)
 BUILTIN = ("reference", "gpu_impl:torch", "gpu_impl:cudnn")
 
 

@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dsv4-oracle",
         description="Float64 oracle and conformance checks for DeepSeek-V4 sparse attention.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    p = sub.add_parser("selfcheck", help="prove the float64 oracle against itself on built-in cases")
+    p = sub.add_parser("selfcheck", help="prove the float64 oracle against itself on catalog cases")
     p.add_argument("-v", "--verbose", action="store_true", help="print details of every check")
     p.set_defaults(func=_selfcheck)
     from .check import add_parser as add_check_parser

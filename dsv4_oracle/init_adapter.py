@@ -40,8 +40,9 @@ any dtype on any device. Ids are in the logical key space (contract section 2): 
 0 .. T-1 of `kv` are the raw keys/values, rows T .. T+C-1 the compressed ones. `layout` is a
 reference.PackedLayout (cu_seqlens, cu_seqlens_padded, num_rows, num_real, ...). Each op must
 return at least the fields listed (a tuple or NamedTuple; extra fields are ignored; a
-`backend` attribute on the result is recorded in the report). The protocol is documented in
-dsv4_oracle/adapters.py; the numerical contract in docs/contract.md (sections cited below).
+`backend` attribute on the result is recorded in the report). The ops' calls are documented in
+dsv4_oracle/protocol.py (one typing.Protocol per op), the attributes in dsv4_oracle/adapters.py;
+the numerical contract in docs/contract.md (sections cited below).
 """
 import torch
 

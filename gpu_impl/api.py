@@ -25,10 +25,12 @@ Arguments are validated by the backend before it launches any computation; ``Val
 from __future__ import annotations
 
 import importlib
-import math
 from typing import NamedTuple
 
 import torch
+
+from dsv4_oracle.protocol import OPS as PROTOCOL_OPS
+from reference.constants import GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
 
 from . import torch_backend
 from .checks import as_bool, choice
@@ -42,10 +44,8 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "torch", "cudnn")
-OPS = ("stable_topk", "indexer_scores", "build_csa_indices", "sparse_attention_forward",
-       "sparse_attention_backward", "sparse_indexer_loss", "sparse_indexer_loss_grad",
-       "q_rms_norm")
-FLT_MIN = 2.0 ** -126
+# the protocol's ops (dsv4_oracle.protocol, pipeline order) plus the query norm (section 9)
+OPS = PROTOCOL_OPS + ("q_rms_norm",)
 
 
 class BackendUnavailable(RuntimeError):
@@ -222,7 +222,7 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
 
 
 def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, *, coeff,
-                        scale=None, num_real=None, loss_floor=FLT_MIN, chunk_rows=None,
+                        scale=None, num_real=None, loss_floor=LOSS_FLOOR, chunk_rows=None,
                         backend="auto", deterministic=True):
     """Section 8 loss. Returns :class:`IndexerLossResult`
     ``(loss, kl, target, predict, num_real, backend)``."""
@@ -234,8 +234,8 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
 
 
 def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, predict, *, coeff,
-                             num_real, grad_loss=1.0, scale=None, grad_floor=math.exp(-100),
-                             mode="clipped", loss_floor=FLT_MIN, chunk_rows=None,
+                             num_real, grad_loss=1.0, scale=None, grad_floor=GRAD_FLOOR,
+                             mode="clipped", loss_floor=LOSS_FLOOR, chunk_rows=None,
                              backend="auto", deterministic=True):
     """Section 8 gradients. Returns :class:`IndexerGrads` ``(dq_idx, dw, dk_idx, backend)``."""
     (dq, dw, dk), name = _run("sparse_indexer_loss_grad", q_idx, backend, deterministic,
@@ -246,7 +246,7 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
     return IndexerGrads(dq, dw, dk, name)
 
 
-def q_rms_norm(q, eps=1e-6, *, backend="auto", deterministic=True):
+def q_rms_norm(q, eps=QNORM_EPS, *, backend="auto", deterministic=True):
     """Section 9. Returns :class:`NormedQuery` ``(q, backend)``."""
     out, name = _run("q_rms_norm", q, backend, deterministic, (q, eps), {})
     return NormedQuery(out, name)

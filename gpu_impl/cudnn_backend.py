@@ -54,9 +54,11 @@ import math
 
 import torch
 
+from reference.constants import GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
 from reference.indexer_loss import IndexerLoss
 
 from . import torch_backend
+from .api import OPS
 from .checks import (choice, reject_loss_values, reject_nan, reject_negative,
                      validate_attention_backward,
                      validate_attention_forward, validate_indexer_scores,
@@ -73,8 +75,7 @@ BACKEND_NAME = "cudnn"
 INDEX_DTYPE = torch.int32
 F32 = torch.float32
 INF = math.inf
-FLT_MIN = 2.0 ** -126
-CUDNN_GRAD_FLOOR = math.exp(-100)       # the indexer backward's CLIP_LOG_MIN = -100
+CUDNN_GRAD_FLOOR = GRAD_FLOOR          # the indexer backward's CLIP_LOG_MIN = -100
 HALF = (torch.bfloat16, torch.float16)
 NO_KERNEL_OPS = ("build_csa_indices", "q_rms_norm")
 
@@ -153,7 +154,7 @@ def _route(op: str, args: tuple, kwargs: dict, deterministic: bool):
         return _loss_route(arg(0, "q"))
     if op == "sparse_indexer_loss_grad":
         return _grad_route(arg(0, "q_idx"), arg(2, "weights"), kwargs.get("mode", "clipped"),
-                           kwargs.get("grad_floor", math.exp(-100)), deterministic)
+                           kwargs.get("grad_floor", GRAD_FLOOR), deterministic)
     return "torch", f"no cuDNN kernel for {op}"
 
 
@@ -351,7 +352,7 @@ def build_csa_indices(layout, *, window, ratio, compressed_ids=None, device=None
                                            deterministic=deterministic)
 
 
-def q_rms_norm(q, eps: float = 1e-6, *, deterministic: bool = True):
+def q_rms_norm(q, eps: float = QNORM_EPS, *, deterministic: bool = True):
     """Section 9: elementwise, no cuDNN kernel; runs :mod:`gpu_impl.torch_backend`."""
     return torch_backend.q_rms_norm(q, eps, deterministic=deterministic)
 
@@ -504,7 +505,7 @@ def _loss_route(q):
 
 @_no_grad
 def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, *, coeff,
-                        scale=None, num_real=None, loss_floor=FLT_MIN, chunk_rows=None,
+                        scale=None, num_real=None, loss_floor=LOSS_FLOOR, chunk_rows=None,
                         deterministic: bool = True):
     """Contract section 8 loss; float32 ``IndexerLoss`` on the inputs' device.
 
@@ -588,8 +589,8 @@ def _grad_route(q, w, mode: str, grad_floor: float, deterministic: bool):
 
 @_no_grad
 def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, predict, *, coeff,
-                             num_real, grad_loss=1.0, scale=None, grad_floor=math.exp(-100),
-                             mode="clipped", loss_floor=FLT_MIN, chunk_rows=None,
+                             num_real, grad_loss=1.0, scale=None, grad_floor=GRAD_FLOOR,
+                             mode="clipped", loss_floor=LOSS_FLOOR, chunk_rows=None,
                              deterministic: bool = True):
     """Contract section 8 gradients ``(dq_idx, dw, dk_idx)`` in the inputs' dtypes (bf16).
 
@@ -651,9 +652,7 @@ def describe(op: str, *args, deterministic: bool = True, **kwargs) -> str:
     """The kernel chain ``op`` runs for these arguments (same signature as the op), e.g.
     ``"cudnn: cudnn.indexer_top_k_wrapper(deterministic=True, tie_break=1)"`` or
     ``"torch: k=4096 > 2048 (the cuDNN Top-K limit)"``. Reads metadata only."""
-    op = choice(op, "op", ("stable_topk", "indexer_scores", "build_csa_indices",
-                           "sparse_attention_forward", "sparse_attention_backward",
-                           "sparse_indexer_loss", "sparse_indexer_loss_grad", "q_rms_norm"))
+    op = choice(op, "op", OPS)
     if op in NO_KERNEL_OPS:
         return "torch: no cuDNN kernel for this op"
     first = args[0] if args else next(iter(kwargs.values()))

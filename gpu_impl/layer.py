@@ -31,16 +31,13 @@ from typing import NamedTuple
 
 import torch
 
+from dsv4_oracle.protocol import OPS
 from reference.layout import PackedLayout
 
 from . import api
 from .checks import as_int, as_real, choice, float_tensor
 
 __all__ = ["LayerResult", "csa_layer"]
-
-_LAYER_OPS = ("indexer_scores", "stable_topk", "build_csa_indices", "sparse_attention_forward",
-              "sparse_attention_backward", "sparse_indexer_loss", "sparse_indexer_loss_grad")
-
 
 class LayerResult(NamedTuple):
     """What :func:`csa_layer` returns (all tensors on the inputs' device)."""
@@ -60,12 +57,12 @@ class LayerResult(NamedTuple):
 def _backend_map(backend) -> dict:
     if isinstance(backend, str):
         choice(backend, "backend", api.BACKENDS)
-        return {op: backend for op in _LAYER_OPS}
+        return {op: backend for op in OPS}
     if isinstance(backend, Mapping):
-        unknown = set(backend) - set(_LAYER_OPS)
+        unknown = set(backend) - set(OPS)
         if unknown:
-            raise ValueError(f"backend: unknown op names {sorted(unknown)}; ops are {_LAYER_OPS}")
-        out = {op: "auto" for op in _LAYER_OPS}
+            raise ValueError(f"backend: unknown op names {sorted(unknown)}; ops are {OPS}")
+        out = {op: "auto" for op in OPS}
         for op, name in backend.items():
             out[op] = choice(name, f"backend[{op!r}]", api.BACKENDS)
         return out

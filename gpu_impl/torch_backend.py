@@ -39,6 +39,7 @@ import math
 
 import torch
 
+from reference.constants import GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
 from reference.indexer_loss import IndexerLoss
 from reference.qnorm import row_scale
 from reference.layout import PackedLayout
@@ -61,7 +62,6 @@ BACKEND_NAME = "torch"
 INDEX_DTYPE = torch.int32          # dtype of the ids and lengths this backend produces
 F32 = torch.float32
 INF = math.inf
-FLT_MIN = 2.0 ** -126
 _CHUNK_BUDGET = {"cuda": 1 << 30, "cpu": 1 << 26}   # bytes of temporaries per row chunk
 
 
@@ -479,7 +479,7 @@ def _kl(tau, p, mask, floor):
 
 @_op
 def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, *, coeff,
-                        scale=None, num_real=None, loss_floor=FLT_MIN, chunk_rows=None,
+                        scale=None, num_real=None, loss_floor=LOSS_FLOOR, chunk_rows=None,
                         deterministic: bool = True):
     """Contract section 8 loss, float32, in the oracle's log-space form with per-head offsets
     (:func:`teacher_normalisers`: the teacher never underflows, heads are
@@ -530,8 +530,8 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
 
 @_op
 def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, predict, *, coeff,
-                             num_real, grad_loss=1.0, scale=None, grad_floor=math.exp(-100),
-                             mode="clipped", loss_floor=FLT_MIN, chunk_rows=None,
+                             num_real, grad_loss=1.0, scale=None, grad_floor=GRAD_FLOOR,
+                             mode="clipped", loss_floor=LOSS_FLOOR, chunk_rows=None,
                              deterministic: bool = True):
     """Contract section 8 gradients wrt ``q_idx``, ``weights`` and ``k_idx`` (returned in their
     own dtypes, accumulated in float32).
@@ -592,7 +592,7 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
 # section 9: query RMS norm
 # --------------------------------------------------------------------------------------------
 @_op
-def q_rms_norm(q, eps: float = 1e-6, *, deterministic: bool = True):
+def q_rms_norm(q, eps: float = QNORM_EPS, *, deterministic: bool = True):
     """Contract section 9 in working precision: float32 compute from the input, one rounding to
     the input dtype. Bit-identical to :func:`reference.q_rms_norm_bf16` for bf16 input on every
     device and memory layout: the mean of squares is accumulated in float64 over a contiguous

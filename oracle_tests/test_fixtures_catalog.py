@@ -256,6 +256,10 @@ def _score_spread(c, x, o):
                             "and teacher mass"
 
 
+def _selfcheck(c, x, o):
+    assert c.id.startswith("selfcheck-") and c.is_layer and x["q"].dtype == torch.float64
+
+
 PREDICATES = {
     "padding": _padding, "empty_docs": _empty_docs, "capacity_rows": _capacity,
     "short_docs": _short_docs, "no_groups": _no_groups, "sink_only_rows": _sink_only,
@@ -267,6 +271,7 @@ PREDICATES = {
     "dsv4_flash": _flash, "dsv4_pro": _pro, "public_small": _public, "dsa_v32": _dsa,
     "index_hazards": _index_hazards,
     "large_logits": _large_logits, "zero_dots": _zero_dots, "score_spread": _score_spread,
+    "selfcheck": _selfcheck,
 }
 
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import reference as R
-from dsv4_oracle.selfcheck import BUILTIN_CASES, build_case
+from dsv4_oracle.selfcheck import SELFCHECK_CASES, case_tensors
+from fixtures import get
 from oracle_tests import content_hashes, error_ratio
 from reference.dense import dense_attention, dense_visibility, slot_counts
 from reference.error_model import (ORACLE_PRECISION, attention_backward_bound,
@@ -24,7 +25,7 @@ from reference.error_model import (ORACLE_PRECISION, attention_backward_bound,
 
 INF = math.inf
 F64 = torch.float64
-CASES = {c.name: c for c in BUILTIN_CASES}
+CASES = {i: get(i) for i in SELFCHECK_CASES}
 
 
 def randn(*shape, seed):
@@ -114,11 +115,11 @@ def test_gradcheck_of_the_closed_form_backward(seed):
 
 def built_in(name):
     case = CASES[name]
-    x = build_case(case)
+    x = case_tensors(case)
     return x, dict(v_dim=case.v_dim, lengths=x.lengths)
 
 
-@pytest.mark.parametrize("name", [c.name for c in BUILTIN_CASES])
+@pytest.mark.parametrize("name", list(SELFCHECK_CASES))
 def test_closed_form_backward_equals_autograd(name):
     x, kw = built_in(name)
     out, lse = R.sparse_attention_forward(x.q, x.kv, x.ids, x.sink, **kw)
@@ -149,7 +150,7 @@ def dense_reference(q, kv, ids, sink, dout, counts, *, v_dim=None, scale=None):
     return (out.detach(), lse.detach()), grads
 
 
-@pytest.mark.parametrize("name", [c.name for c in BUILTIN_CASES])
+@pytest.mark.parametrize("name", list(SELFCHECK_CASES))
 def test_gather_equals_the_dense_mask_form(name):
     x, kw = built_in(name)
     S = x.kv.shape[0]
@@ -162,10 +163,10 @@ def test_gather_equals_the_dense_mask_form(name):
     assert backward_ratio(x.q, x.kv, x.ids, x.sink, out, lse, x.dout, d_grads, grads, **kw) <= 1
 
 
-@pytest.mark.parametrize("name", ["hca", "window-only"])
+@pytest.mark.parametrize("name", ["selfcheck-hca", "selfcheck-window-only"])
 def test_hca_and_window_rows_select_exactly_the_dense_visibility(name):
     case = CASES[name]
-    x = build_case(case)
+    x = case_tensors(case)
     vis = dense_visibility(x.layout, case.window, case.ratio).to(F64)
     assert torch.equal(slot_counts(x.ids, x.kv.shape[0], x.lengths), vis)
 

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import reference as R
-from dsv4_oracle.selfcheck import BUILTIN_CASES, build_case
+from dsv4_oracle.selfcheck import SELFCHECK_CASES, case_tensors
+from fixtures import get
 
-CASES = {c.name: c for c in BUILTIN_CASES}
-CP_CASES = ["csa-padded", "hca", "window-only"]
+CASES = {i: get(i) for i in SELFCHECK_CASES}
+CP_CASES = ["selfcheck-csa-padded", "selfcheck-hca", "selfcheck-window-only"]
 
 
 def other_rows_replaced(x: torch.Tensor, rows: torch.Tensor, seed: int) -> torch.Tensor:
@@ -63,7 +64,7 @@ def test_partition_is_an_exact_cover_of_the_documented_shape(name, cp, mode):
 @pytest.mark.parametrize("mode", ["contiguous", "zigzag"])
 def test_per_rank_rows_are_bitwise_the_cp1_rows(name, cp, mode):
     case = CASES[name]
-    x = build_case(case)
+    x = case_tensors(case)
     layout = x.layout
     out, lse = R.sparse_attention_forward(x.q, x.kv, x.ids, x.sink, v_dim=case.v_dim,
                                           lengths=x.lengths)
@@ -123,10 +124,10 @@ def test_per_rank_rows_are_bitwise_the_cp1_rows(name, cp, mode):
 CHUNKS = [1, 3, 7, None]
 
 
-@pytest.mark.parametrize("name", [c.name for c in BUILTIN_CASES])
+@pytest.mark.parametrize("name", list(SELFCHECK_CASES))
 def test_attention_is_bitwise_chunking_independent(name):
     case = CASES[name]
-    x = build_case(case)
+    x = case_tensors(case)
     kw = dict(v_dim=case.v_dim, lengths=x.lengths)
     ref_fwd = R.sparse_attention_forward(x.q, x.kv, x.ids, x.sink, **kw)
     ref_bwd = R.sparse_attention_backward(x.q, x.kv, x.ids, x.sink, *ref_fwd, x.dout, **kw)
@@ -138,10 +139,10 @@ def test_attention_is_bitwise_chunking_independent(name):
             assert torch.equal(got, want), chunk
 
 
-@pytest.mark.parametrize("name", ["worked-example", "csa-padded"])
+@pytest.mark.parametrize("name", ["public-det-topk-ties", "selfcheck-csa-padded"])
 def test_indexer_and_loss_are_bitwise_chunking_independent(name):
     case = CASES[name]
-    x = build_case(case)
+    x = case_tensors(case)
     layout = x.layout
     T = layout.num_rows
     lse = R.sparse_attention_forward(x.q, x.kv, x.ids, x.sink, v_dim=case.v_dim,
@@ -151,10 +152,11 @@ def test_indexer_and_loss_are_bitwise_chunking_independent(name):
     ref_grad = R.sparse_indexer_loss_grad(x.q_idx, x.k_idx, x.weights, x.cmp_ids, ref_loss.target,
                                           ref_loss.predict, coeff=case.coeff,
                                           num_real=layout.num_real)
+    ref_scores = R.indexer_scores(x.q_idx, x.k_idx, x.weights, layout, case.ratio)
     for chunk in CHUNKS:
         scores = R.indexer_scores(x.q_idx, x.k_idx, x.weights, layout, case.ratio,
                                   chunk_rows=chunk)
-        assert torch.equal(scores, x.scores)
+        assert torch.equal(scores, ref_scores)
         loss = R.sparse_indexer_loss(x.q, x.kv[T:], x.sink, lse, x.cmp_ids, x.scores, layout,
                                      coeff=case.coeff, chunk_rows=chunk)
         for field in ("loss", "kl", "target", "predict"):
@@ -237,8 +239,8 @@ def strided(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("relayout", [misaligned, strided])
 def test_bits_do_not_depend_on_the_callers_memory_layout(relayout):
-    case = CASES["csa-padded"]
-    x = build_case(case)
+    case = CASES["selfcheck-csa-padded"]
+    x = case_tensors(case)
     T = x.layout.num_rows
     kw = dict(v_dim=case.v_dim, lengths=x.lengths)
 

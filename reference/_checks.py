@@ -24,6 +24,8 @@ import numbers
 
 import torch
 
+from .constants import BOUND_CHUNK_BYTES
+
 F64 = torch.float64
 CPU = torch.device("cpu")
 _COMPUTE_DEVICE: contextvars.ContextVar[torch.device] = contextvars.ContextVar(
@@ -179,8 +181,10 @@ def choice(x, name: str, allowed: tuple[str, ...]) -> str:
     return x
 
 
-def chunk_rows(rows_per_chunk: int | None, per_row_bytes: int, budget_bytes: int = 1 << 28) -> int:
-    """Rows per chunk: given explicitly, or as many as fit a fixed memory budget (256 MiB)."""
+def chunk_rows(rows_per_chunk: int | None, per_row_bytes: int,
+               budget_bytes: int = BOUND_CHUNK_BYTES) -> int:
+    """Rows per chunk: given explicitly, or as many as fit a fixed memory budget (by default
+    ``BOUND_CHUNK_BYTES``, 256 MiB)."""
     if rows_per_chunk is not None:
         return as_int(rows_per_chunk, "chunk_rows", minimum=1)
     return max(1, budget_bytes // max(1, per_row_bytes))

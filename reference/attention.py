@@ -21,11 +21,11 @@ from ._checks import chunk_rows as rows_per_chunk
 from ._pointwise import logaddexp, sigmoid
 from ._reduce import (_round_up, carve, fold_slot_rows_into, ordered_sum, row_bmm,
                       row_bmm_buffer, row_extents, row_runs)
+from .constants import CHUNK_BYTES, SLOT_MULTIPLE
 
 __all__ = ["sparse_attention_forward", "sparse_attention_backward", "valid_slots"]
 
 INF = math.inf
-CHUNK_BYTES = 1 << 25  # work buffers per chunk: small enough to stay in cache, reused across chunks
 
 
 def valid_slots(ids: torch.Tensor, num_keys: int, lengths: torch.Tensor | None) -> torch.Tensor:
@@ -56,8 +56,6 @@ def _inputs(q, kv, ids, sink, scale, v_dim, lengths):
     scale = D ** -0.5 if scale is None else as_real(scale, "scale")
     return q, kv, ids, sink, scale, dv, lengths
 
-
-SLOT_MULTIPLE = 64
 
 
 def _pad_slots(ids: torch.Tensor) -> torch.Tensor:

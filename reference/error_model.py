@@ -45,8 +45,9 @@ from ._checks import chunk_rows as rows_per_chunk
 from .attention import _inputs as _attention_inputs
 from .attention import valid_slots
 from .indexer import _inputs as _indexer_inputs
-from .indexer_loss import (FLT_MIN, IndexerLoss, _loss_grad_inputs, _loss_grad_options,
-                           _loss_inputs, head_normalisers, teacher_rows)
+from .constants import GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
+from .indexer_loss import (IndexerLoss, _loss_grad_inputs, _loss_grad_options, _loss_inputs,
+                           head_normalisers, teacher_rows)
 from .layout import PackedLayout
 
 __all__ = [
@@ -413,7 +414,7 @@ def _softmax_rel(logits: torch.Tensor, mask: torch.Tensor, u: _Units) -> torch.T
 
 
 def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, result, *,
-                       coeff, precision, scale=None, num_real=None, loss_floor=FLT_MIN,
+                       coeff, precision, scale=None, num_real=None, loss_floor=LOSS_FLOOR,
                        chunk_rows=None):
     """Section 12 bound for the section 8 loss: an :class:`IndexerLossBound` for ``result``
     (the oracle's :func:`sparse_indexer_loss` on the same inputs; ``lse`` and ``index_scores``
@@ -522,7 +523,7 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
 
 def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predict, dq_idx, dw,
                             dk_idx, *, coeff, num_real, precision, grad_loss=1.0, scale=None,
-                            grad_floor=math.exp(-100), mode="clipped", loss_floor=FLT_MIN,
+                            grad_floor=GRAD_FLOOR, mode="clipped", loss_floor=LOSS_FLOOR,
                             chunk_rows=None):
     """Section 12 bound for the section 8 indexer gradients: ``(bound_dq_idx [T,H_I,D_I],
     bound_dw [T,H_I], bound_dk_idx [C,D_I])`` for the oracle's
@@ -625,7 +626,7 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
 # Section 9: query RMS norm
 # ---------------------------------------------------------------------------------------------
 
-def q_rms_norm_bound(q, q_out, *, precision, eps: float = 1e-6) -> torch.Tensor:
+def q_rms_norm_bound(q, q_out, *, precision, eps: float = QNORM_EPS) -> torch.Tensor:
     """Section 12 bound for the section 9 query RMS norm (``q_out`` = the oracle's
     :func:`q_rms_norm` of ``q``): ``|q_out| (u_a (D + 2) / 2 + 4 u_a + u_o) + eta_o``
     (mean of ``D`` squares, ``+ eps``, ``rsqrt`` halving the relative error of its argument

@@ -8,11 +8,10 @@ import torch
 from ._checks import as_float64, as_int, as_real, check_dim, head_dim
 from ._checks import chunk_rows as rows_per_chunk
 from ._reduce import _aligned_batch, _round_up, row_bmm, row_bmm_buffer
+from .constants import CHUNK_BYTES
 from .layout import PackedLayout
 
 __all__ = ["indexer_scores"]
-
-CHUNK_BYTES = 1 << 25  # work buffers per chunk: small enough to stay in cache, reused across chunks
 
 
 def _inputs(q_idx, k_idx, weights, layout, ratio, scale):

@@ -11,14 +11,12 @@ from ._checks import chunk_rows as rows_per_chunk
 from ._pointwise import logaddexp
 from ._reduce import (_round_up, carve, fold_slot_rows_into, ordered_sum, row_bmm,
                       row_bmm_buffer, row_extents, row_runs)
+from .constants import CHUNK_BYTES, GRAD_FLOOR, LOSS_FLOOR, SLOT_MULTIPLE
 from .layout import PackedLayout
 
 __all__ = ["IndexerLoss", "head_normalisers", "sparse_indexer_loss", "sparse_indexer_loss_grad"]
 
 INF = math.inf
-FLT_MIN = 2.0 ** -126
-CHUNK_BYTES = 1 << 25  # work buffers per chunk: small enough to stay in cache, reused across chunks
-SLOT_MULTIPLE = 64     # per-row slot extents are multiples of this (see _reduce.row_extents)
 
 
 class IndexerLoss(NamedTuple):
@@ -119,7 +117,7 @@ def _loss_inputs(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, coe
 
 
 def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, *, coeff,
-                        scale=None, num_real=None, loss_floor=FLT_MIN, chunk_rows=None):
+                        scale=None, num_real=None, loss_floor=LOSS_FLOOR, chunk_rows=None):
     """Section 8: the sparse indexer KL loss.
 
     ``q [T,H,D]`` and ``lse [T,H]`` (KV-only, natural log, from the attention forward over all
@@ -241,8 +239,8 @@ def _loss_grad_options(coeff, num_real, grad_loss, scale, grad_floor, loss_floor
 
 
 def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, predict, *, coeff,
-                             num_real, grad_loss=1.0, scale=None, grad_floor=math.exp(-100),
-                             mode="clipped", loss_floor=FLT_MIN, chunk_rows=None):
+                             num_real, grad_loss=1.0, scale=None, grad_floor=GRAD_FLOOR,
+                             mode="clipped", loss_floor=LOSS_FLOOR, chunk_rows=None):
     """Section 8: gradients of the indexer loss wrt ``q_idx [T,H_I,D_I]``, ``weights [T,H_I]``
     and ``k_idx [C,D_I]``. Returns float64 ``(dq_idx, dw, dk_idx)``.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import as_float64, as_real, head_dim
+from .constants import QNORM_EPS
 
 __all__ = ["q_rms_norm", "q_rms_norm_bf16"]
 
@@ -16,7 +17,7 @@ def row_scale(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(a), torch.where(a > 1, e, torch.zeros_like(e)))
 
 
-def q_rms_norm(q, eps: float = 1e-6) -> torch.Tensor:
+def q_rms_norm(q, eps: float = QNORM_EPS) -> torch.Tensor:
     """Section 9 in float64: ``q * rsqrt(mean_d(q^2) + eps)`` over the last dimension.
 
     Evaluated as ``y * rsqrt(mean_d(y^2) + eps / s^2)`` with ``y = q / s`` and ``s`` the row's
@@ -33,7 +34,7 @@ def q_rms_norm(q, eps: float = 1e-6) -> torch.Tensor:
     return y * torch.rsqrt(y.square().mean(dim=-1, keepdim=True) + eps / s.square())
 
 
-def q_rms_norm_bf16(q, eps: float = 1e-6) -> torch.Tensor:
+def q_rms_norm_bf16(q, eps: float = QNORM_EPS) -> torch.Tensor:
     """Section 9, the bf16 emulation: float32 compute from the bf16 input, one final bf16 rounding.
 
     Defined bit for bit, independent of memory layout: the mean of squares is accumulated in
