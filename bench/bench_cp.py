@@ -35,7 +35,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import reference as R  # noqa: E402
+from dsv4_oracle import reference as R  # noqa: E402
 
 SMALL = dict(H=8, D=64, Dv=64, W=32, ratio=4, topk=16, HI=4, DI=32, dtype="float32")
 FLASH = dict(H=64, D=512, Dv=512, W=128, ratio=4, topk=512, HI=64, DI=128, dtype="bfloat16")
@@ -62,8 +62,8 @@ def _sync(dev):
 def _rank(rank, world, cfg, out_dir):
     import torch.distributed as dist
 
-    from gpu_impl import cp as CP
-    from gpu_impl.layer import csa_layer
+    from dsv4_oracle.gpu_impl import cp as CP
+    from dsv4_oracle.gpu_impl.layer import csa_layer
     torch.set_num_threads(1)          # one thread per rank: CPU ranks stand for devices
     cuda = cfg["device"] == "cuda"
     if cuda:

@@ -43,10 +43,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gpu_impl import cudnn_backend as cb          # noqa: E402
-from gpu_impl import kernels_triton as kt         # noqa: E402
-from gpu_impl import kernels_triton_split as ks   # noqa: E402
-from gpu_impl import torch_backend as tb          # noqa: E402
+from dsv4_oracle.gpu_impl import cudnn_backend as cb          # noqa: E402
+from dsv4_oracle.gpu_impl import kernels_triton as kt         # noqa: E402
+from dsv4_oracle.gpu_impl import kernels_triton_split as ks   # noqa: E402
+from dsv4_oracle.gpu_impl import torch_backend as tb          # noqa: E402
 
 H, D, DV, W, K, HI, DI, RATIO = 64, 512, 512, 128, 512, 64, 128, 4
 
@@ -73,7 +73,7 @@ def ceilings():
     y = torch.empty_like(x)
     ms = timeit(lambda: y.copy_(x), 10)
     bw = 2 * x.numel() / (ms * 1e-3)
-    del x, y
+    x = y = None                 # free the buffers
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -176,7 +176,7 @@ def bench_indexer_grad(x: dict, T: int, reps: int, row, log, sweep: bool = False
     """The deterministic indexer-loss gradient (Triton fixed-order kernels; needs no cuDNN):
     whole call through the backend's kernel module, its phases, bitwise replays, agreement with
     the torch backend's deterministic path, and a config sweep."""
-    from gpu_impl import kernels_triton_indexer_grad as kg
+    from dsv4_oracle.gpu_impl import kernels_triton_indexer_grad as kg
     q_idx, k_idx, w = x["q_idx"], x["k_idx"], x["w"]
     ids, tau, p = indexer_grad_inputs(x, T)
     gs, scale, e = 0.01 / T, DI ** -0.5, math.exp(-100)
@@ -309,10 +309,10 @@ def bench_shape(T: int, reps: int, bw: float, rate: float, sweep: bool, rows: li
         timeit(lambda: tb.sparse_attention_backward(q, kv, ids, sink, out, lse, dout,
                                                     lengths=lengths, deterministic=True), 3, 1),
         f_bwd, b_bwd))
-    del out, lse, ref_out, ref_lse
+    out = lse = ref_out = ref_lse = None         # free the buffers
     torch.cuda.empty_cache()
     # ---- indexer -----------------------------------------------------------------------------
-    import reference as R
+    from dsv4_oracle import reference as R
     lay = R.PackedLayout([0, T])
     q_idx, k_idx, w = x["q_idx"], x["k_idx"], x["w"]
     f_idx = 2.0 * H * DI * (T * (T // RATIO) / 2) + 2.0 * T * HI * (T // RATIO) / 2

@@ -55,13 +55,13 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import reference as ref  # noqa: E402
+from dsv4_oracle import reference as ref  # noqa: E402
 from dsv4_oracle import conformance  # noqa: E402
 from dsv4_oracle.compare import compare_numeric  # noqa: E402
-from fixtures.case import Case  # noqa: E402
-from reference import dense  # noqa: E402
-from reference._reduce import row_extents  # noqa: E402
-from reference.attention import SLOT_MULTIPLE, valid_slots  # noqa: E402
+from dsv4_oracle.fixtures.case import Case  # noqa: E402
+from dsv4_oracle.reference import dense  # noqa: E402
+from dsv4_oracle.reference._reduce import row_extents  # noqa: E402
+from dsv4_oracle.reference.attention import SLOT_MULTIPLE, valid_slots  # noqa: E402
 
 STAGES = ("indexer_scores", "topk_and_ids", "attn_forward", "attn_backward",
           "indexer_loss", "loss_grad")
@@ -460,7 +460,7 @@ def check_agreement(shape: Shape, o: dict, d: dict) -> dict:
     judged; section 12; float64 on both sides). Per output its ratio; ``passed`` when every
     exact check holds and every numeric check passes. The loss gradients of the dense form are
     exact derivatives, so they are judged against the oracle's ``mode="autograd"``."""
-    from reference import error_model as em
+    from dsv4_oracle.reference import error_model as em
 
     x = make_inputs(shape)
     lay = x["layout"]

@@ -52,9 +52,9 @@ def _peak_rss_bytes() -> int:
 
 def child_main(T: int, device: str | None, out_path: str) -> None:
     """One ``T`` in this process: time each stage, record the peaks, write JSON."""
-    from fixtures import oracle_bounds, run_oracle
-    from fixtures.production import production_cases
-    from reference import error_model as E
+    from dsv4_oracle.fixtures import oracle_bounds, run_oracle
+    from dsv4_oracle.fixtures.production import production_cases
+    from dsv4_oracle.reference import error_model as E
 
     case = next(c for c in production_cases() if c.id == f"prod-flash-T{T}")
     cuda = device is not None and torch.device(device).type == "cuda"
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
     if args.compute_device is not None:
-        from reference._checks import as_device
+        from dsv4_oracle.reference._checks import as_device
         try:
             as_device(args.compute_device, "--compute-device")
         except (TypeError, ValueError) as exc:

@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import reference as R                        # noqa: E402
-from gpu_impl import torch_backend as TB     # noqa: E402
+from dsv4_oracle import reference as R                        # noqa: E402
+from dsv4_oracle.gpu_impl import torch_backend as TB     # noqa: E402
 
 
 def timed(fn, device, warmup, iters):
@@ -109,7 +109,7 @@ def run(T, device, warmup, iters, H=64, D=512, W=128, K=512, HI=64, DI=128, rati
     acc = torch.zeros(kv.shape[0], D, device=device)
     rec("index_add_ (atomics)", timed(lambda: acc.index_add_(0, dest, vals), device, warmup,
                                       iters), terms=int(dest.numel()), D=D)
-    del vals
+    vals = None
     loss = TB.sparse_indexer_loss(q, kv_cmp, sink, lse, top[0], scores, lay, coeff=0.01)
     rec("sparse_indexer_loss", timed(lambda: TB.sparse_indexer_loss(
         q, kv_cmp, sink, lse, top[0], scores, lay, coeff=0.01), device, warmup, iters))

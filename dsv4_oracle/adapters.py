@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 import torch
 
-from reference.error_model import ORACLE_PRECISION, Precision
+from dsv4_oracle.reference.error_model import ORACLE_PRECISION, Precision
 
 from .invoke import describe
 from .protocol import ALL_OPS, LAYER_OP, OPS
@@ -176,7 +176,7 @@ class Adapter:
         got = _guarded(what, p, dtype)
         if not isinstance(got, Precision):
             raise AdapterError(f"{what} returned {type(got).__name__}, expected "
-                               f"reference.error_model.Precision")
+                               f"dsv4_oracle.reference.error_model.Precision")
         return got
 
     def unavailable(self) -> str | None:
@@ -229,7 +229,7 @@ class GpuImplAdapter:
 
     def __init__(self, backend: str = "torch", device: str = "cpu", deterministic: bool = True,
                  chunk_rows: int | None = None):
-        from gpu_impl import api
+        from dsv4_oracle.gpu_impl import api
         self._api = api
         self.backend = backend
         self.request = "torch" if backend == "torch" else "auto"
@@ -283,7 +283,7 @@ class GpuImplAdapter:
                                                   **self._kw())
 
     def csa_layer(self, *args, **kwargs):
-        from gpu_impl.layer import csa_layer
+        from dsv4_oracle.gpu_impl.layer import csa_layer
         kwargs.setdefault("backend", self.request)
         kwargs.setdefault("deterministic", self.deterministic)
         return csa_layer(*args, **kwargs)
@@ -297,7 +297,7 @@ def default_impl() -> str:
 
 def _builtin(spec: str, device: str | None) -> Adapter:
     if spec == "reference":
-        import reference
+        from dsv4_oracle import reference
         return Adapter(reference, name="reference", device=device or "cpu",
                        precision=ORACLE_PRECISION, spec=spec)
     backend = spec.split(":", 1)[1]

@@ -109,7 +109,7 @@ def _main_check(args) -> int:
         print(f"{len(cases)} cases ({catalog} catalog)")
         return EXIT_OK
     if args.oracle_device is not None:
-        from reference._checks import as_device
+        from dsv4_oracle.reference._checks import as_device
         try:
             as_device(args.oracle_device, "--oracle-device")
         except (TypeError, ValueError) as exc:

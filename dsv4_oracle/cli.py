@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="dsv4-oracle",
         description="Float64 oracle and conformance checks for DeepSeek-V4 sparse attention.")
+    from . import __version__
+    parser.add_argument("--version", action="version", version=f"dsv4-oracle {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     p = sub.add_parser("selfcheck", help="prove the float64 oracle against itself on catalog cases")
     p.add_argument("-v", "--verbose", action="store_true", help="print details of every check")

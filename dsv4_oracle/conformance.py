@@ -1,7 +1,7 @@
 """Conformance of one implementation on one case: run it, then judge it against the oracle.
 
 This module and :mod:`dsv4_oracle.compare` are the comparison engine that both the pytest
-suite (``oracle_tests/impl_harness.py``, ``test_impl_*.py``, the CP lane) and the
+suite (``oracle_tests/helpers/impl_harness.py``, ``gpu_impl/test_*.py``, the CP lane) and the
 ``dsv4-oracle check`` command use; there is no second copy of these rules.
 
 Data flow (contract section 12: the oracle is evaluated on the exact inputs the implementation
@@ -42,9 +42,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-import reference as R
-from reference import error_model as EM
-from reference._checks import as_device, compute_on, to_cpu
+from dsv4_oracle import reference as R
+from dsv4_oracle.reference import error_model as EM
+from dsv4_oracle.reference._checks import as_device, compute_on, to_cpu
 
 from .adapters import Adapter
 from .invoke import OpError, call_op

@@ -46,8 +46,8 @@ the numerical contract in docs/contract.md (sections cited below).
 """
 import torch
 
-from gpu_impl import api                    # the placeholders only: remove with them
-from reference.error_model import Precision
+from dsv4_oracle.gpu_impl import api                    # the placeholders only: remove with them
+from dsv4_oracle.reference.error_model import Precision
 
 
 class Adapter:
@@ -150,7 +150,7 @@ class Adapter:
         compressed_ids, compressed_lengths, index_scores and indexer_loss (kl, target,
         predict); see gpu_impl.layer.LayerResult."""
         # REPLACE WITH YOUR KERNEL
-        from gpu_impl.layer import csa_layer
+        from dsv4_oracle.gpu_impl.layer import csa_layer
         return csa_layer(q, kv, sink, layout, window=window, ratio=ratio, v_dim=v_dim,
                          coeff=coeff, order=order, kv_cmp=kv_cmp, q_idx=q_idx, k_idx=k_idx,
                          weights=weights, topk=topk, backend="torch")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import copy
 import inspect
 import os
 import signal
@@ -188,7 +187,7 @@ def arg_names(op: str) -> tuple:
     ``q, kv, sink, layout``), used to name an argument an op wrote into."""
     if op == "csa_layer":
         return _LAYER_POSITIONAL
-    import reference
+    from dsv4_oracle import reference
     fn = getattr(reference, op, None)
     if fn is None:
         return ()
@@ -208,7 +207,7 @@ def _twin(t: torch.Tensor) -> torch.Tensor:
 
 
 def _is_layout(v) -> bool:
-    import reference
+    from dsv4_oracle import reference
     return isinstance(v, reference.PackedLayout)
 
 

@@ -403,10 +403,10 @@ MUTANTS: tuple[Mutant, ...] = (
        "of the global N",
        (CP, "cfg.update(num_real=max(1, layout.num_real),",
         "cfg.update(num_real=max(1, layout.num_real // dist.get_world_size(group)),"),
-       lane=["oracle_tests/test_cp_gloo.py::test_gathered_results_match_cp1_oracle"]),
+       lane=["oracle_tests/cp/test_gloo.py::test_gathered_results_match_cp1_oracle"]),
     _m("zigzag-chunk-order-swapped", "zigzag CP: rank r lists chunk 2cp-1-r before chunk r",
        (REF_CP, _CHUNK_R + _CHUNK_MIRROR, _CHUNK_MIRROR + _CHUNK_R),
-       lane=["oracle_tests/test_reference_cp.py::"
+       lane=["oracle_tests/reference/test_cp.py::"
              "test_partition_is_an_exact_cover_of_the_documented_shape"]),
 )
 
@@ -464,10 +464,10 @@ def build_adapter(mutant: Mutant | None):
     tag = "unmutated" if mutant is None else mutant.name.replace("-", "_")
     texts = {rel: _read(rel) if mutant is None else mutant_source(mutant, rel)
              for rel in IN_PROCESS_FILES}
-    tb = _module(f"gpu_impl._mutant_{tag}_torch_backend", TB, texts[TB], "gpu_impl")
-    api = _module(f"gpu_impl._mutant_{tag}_api", API, _read(API), "gpu_impl")
+    tb = _module(f"dsv4_oracle.gpu_impl._mutant_{tag}_torch_backend", TB, texts[TB], "gpu_impl")
+    api = _module(f"dsv4_oracle.gpu_impl._mutant_{tag}_api", API, _read(API), "gpu_impl")
     api.torch_backend = tb               # the private api dispatches "torch" to the mutant
-    layer = _module(f"gpu_impl._mutant_{tag}_layer", LAYER, texts[LAYER], "gpu_impl")
+    layer = _module(f"dsv4_oracle.gpu_impl._mutant_{tag}_layer", LAYER, texts[LAYER], "gpu_impl")
     layer.api = api
 
     class _MutantImpl(GpuImplAdapter):

@@ -90,7 +90,7 @@ QUANTITIES = ("scores", "out", "lse", "dq", "dkv", "dsink", "loss", "kl", "targe
 
 def case_power(case) -> list[PowerRow]:
     """Every numeric quantity of ``case`` (op level, default precision of its dtype)."""
-    import fixtures
+    from dsv4_oracle import fixtures
     from .adapters import default_precision
 
     x = case.materialize()

@@ -39,7 +39,7 @@ from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
-from reference.layout import PackedLayout
+from dsv4_oracle.reference.layout import PackedLayout
 
 __all__ = [
     "OPS", "LAYER_OP", "ALL_OPS", "SECTIONS", "PROTOCOLS",

@@ -164,7 +164,7 @@ def cases(catalog: str = "quick", pattern=None) -> list:
 
 
 def _case(case):
-    import fixtures
+    from dsv4_oracle import fixtures
     if isinstance(case, fixtures.Case):
         return case
     if isinstance(case, str):

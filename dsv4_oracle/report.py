@@ -152,7 +152,7 @@ def _json_ratio(r):
 
 def report_dict(result: RunResult, *, argv=None) -> dict:
     """The report as a JSON-ready dict (schema :data:`SCHEMA` version :data:`SCHEMA_VERSION`)."""
-    import reference
+    from dsv4_oracle import reference
     from .runner import precision_summary
     worst = _worst(result)
     cases = []

@@ -56,7 +56,7 @@ def quick_ids() -> tuple[str, ...]:
     """The quick catalog: the curated regression subset of :data:`fixtures.STORED_CASES` (small
     cases that together touch every category but the large DSv4 shapes and the CP layouts that
     must raise) plus one case with the DSv4 head shape (H 64, D 512, H_I 64, D_I 128)."""
-    import fixtures
+    from dsv4_oracle import fixtures
     return tuple(fixtures.STORED_CASES) + ("public-det-parity",)
 
 
@@ -70,7 +70,7 @@ def select_cases(catalog: str | None = None, patterns=()) -> tuple[list, str]:
     others); default ``quick``, or ``full`` when ``patterns`` are given. Each pattern is a case
     id or a shell-style glob (``sink-*``) and must match at least one case; the union keeps
     catalog order."""
-    import fixtures
+    from dsv4_oracle import fixtures
     if catalog is None:
         catalog = "full" if patterns else "quick"
     if catalog not in CATALOGS:
@@ -80,7 +80,7 @@ def select_cases(catalog: str | None = None, patterns=()) -> tuple[list, str]:
         want = set(quick_ids())
         cases = [c for c in full if c.id in want]
     elif catalog == "production":
-        from fixtures.production import production_cases
+        from dsv4_oracle.fixtures.production import production_cases
         cases = list(production_cases())
     else:
         cases = full

@@ -19,7 +19,7 @@ itself under a change that must not matter:
 
 Every result is a :class:`dsv4_oracle.compare.CheckResult` (its contract sections in
 ``extra["section"]``). The exhaustive versions of these checks are the
-``oracle_tests/test_reference_*.py`` files, which use the same cases (:func:`case_tensors`).
+``oracle_tests/reference/test_*.py`` files, which use the same cases (:func:`case_tensors`).
 """
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-import reference as R
+from dsv4_oracle import reference as R
 from dsv4_oracle.compare import CheckResult, compare_numeric, content_hash
-from reference.constants import FLT_MIN
+from dsv4_oracle.reference.constants import FLT_MIN
 
 __all__ = ["SELFCHECK_CASES", "WORKED_EXAMPLE", "GRADCHECK_CASE", "CaseTensors", "CHECKS",
            "selfcheck_cases", "case_tensors", "selfcheck_results", "format_table",
@@ -45,7 +45,7 @@ SELFCHECK_CASES = (WORKED_EXAMPLE, GRADCHECK_CASE, "selfcheck-hca", "selfcheck-w
 
 def selfcheck_cases() -> tuple:
     """The :class:`fixtures.Case` objects of :data:`SELFCHECK_CASES`."""
-    from fixtures import get
+    from dsv4_oracle.fixtures import get
     return tuple(get(i) for i in SELFCHECK_CASES)
 
 
@@ -100,7 +100,7 @@ def _attention(case, x, **kw):
 
 
 def check_rows_vs_visibility(case, x):
-    from reference.dense import dense_visibility, slot_counts
+    from dsv4_oracle.reference.dense import dense_visibility, slot_counts
     vis = dense_visibility(x.layout, case.window, case.ratio).to(torch.float64)
     counts = slot_counts(x.ids, x.kv.shape[0], x.lengths)
     T = x.layout.num_rows
@@ -152,8 +152,8 @@ def check_sink_only_rows(case, x):
 
 
 def check_forward_vs_dense(case, x):
-    from reference.dense import dense_attention, slot_counts
-    from reference.error_model import ORACLE_PRECISION, attention_forward_bound
+    from dsv4_oracle.reference.dense import dense_attention, slot_counts
+    from dsv4_oracle.reference.error_model import ORACLE_PRECISION, attention_forward_bound
     (out, lse), _ = _attention(case, x)
     D = x.q.shape[-1]
     counts = slot_counts(x.ids, x.kv.shape[0], x.lengths)
@@ -165,7 +165,7 @@ def check_forward_vs_dense(case, x):
 
 
 def _backward_verdict(case, x, fwd, grads, other):
-    from reference.error_model import ORACLE_PRECISION, attention_backward_bound
+    from dsv4_oracle.reference.error_model import ORACLE_PRECISION, attention_backward_bound
     bounds = attention_backward_bound(x.q, x.kv, x.ids, x.sink, *fwd, x.dout, *grads,
                                       precision=ORACLE_PRECISION, v_dim=case.v_dim,
                                       lengths=x.lengths)
@@ -174,7 +174,7 @@ def _backward_verdict(case, x, fwd, grads, other):
 
 
 def check_backward_vs_dense(case, x):
-    from reference.dense import dense_attention, slot_counts
+    from dsv4_oracle.reference.dense import dense_attention, slot_counts
     fwd, grads = _attention(case, x)
     D = x.q.shape[-1]
     leaves = [t.clone().requires_grad_(True) for t in (x.q, x.kv, x.sink)]
@@ -213,7 +213,7 @@ def _loss_inputs(case, x):
 
 
 def check_loss_vs_definition(case, x):
-    from reference.error_model import ORACLE_PRECISION, indexer_loss_bound
+    from dsv4_oracle.reference.error_model import ORACLE_PRECISION, indexer_loss_bound
     args = _loss_inputs(case, x)
     q, kv_cmp, sink, lse, cmp_ids, scores, layout = args
     res = R.sparse_indexer_loss(*args, coeff=case.coeff)
@@ -234,7 +234,7 @@ def check_loss_vs_definition(case, x):
 
 
 def check_loss_grad_clipped_vs_autograd(case, x):
-    from reference.error_model import ORACLE_PRECISION, indexer_loss_grad_bound
+    from dsv4_oracle.reference.error_model import ORACLE_PRECISION, indexer_loss_grad_bound
     args = _loss_inputs(case, x)
     res = R.sparse_indexer_loss(*args, coeff=case.coeff)
     common = (x.q_idx, x.k_idx, x.weights, x.cmp_ids, res.target, res.predict)

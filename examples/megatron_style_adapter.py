@@ -14,7 +14,7 @@ The adapter maps the contract's arguments onto those conventions and back; nothi
 specific to this checker beyond the op names and argument order (those of ``reference``). Run
 it from the repository root with::
 
-    dsv4-oracle check --impl examples.megatron_style_adapter:MegatronStyleAdapter
+    dsv4-oracle check --impl dsv4_oracle.examples.megatron_style_adapter:MegatronStyleAdapter
 
 It implements the attention forward and backward only: the runner feeds it the oracle's key ids
 (Top-K, CSA rows) and judges just these two ops. To check your own kernels, copy this file and
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from reference.error_model import Precision
+from dsv4_oracle.reference.error_model import Precision
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from dsv4_oracle.protocol import OPS as PROTOCOL_OPS
-from reference.constants import GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
+from dsv4_oracle.reference.constants import GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
 
 from . import torch_backend
 from .checks import as_bool, choice
@@ -106,9 +106,9 @@ class NormedQuery(NamedTuple):
 def _cudnn_module():
     """The cuDNN backend module, or a reason why it cannot be imported."""
     try:
-        return importlib.import_module("gpu_impl.cudnn_backend"), None
+        return importlib.import_module("dsv4_oracle.gpu_impl.cudnn_backend"), None
     except Exception as exc:          # a missing wheel, a missing CUDA library, ...
-        return None, f"gpu_impl.cudnn_backend cannot be imported ({type(exc).__name__}: {exc})"
+        return None, f"dsv4_oracle.gpu_impl.cudnn_backend cannot be imported ({type(exc).__name__}: {exc})"
 
 
 def _cudnn_reason(op: str, device: torch.device, deterministic: bool, args=(), kwargs=None):
@@ -121,7 +121,7 @@ def _cudnn_reason(op: str, device: torch.device, deterministic: bool, args=(), k
     if module is None:
         return reason
     if not callable(getattr(module, op, None)):
-        return f"gpu_impl.cudnn_backend does not implement {op}"
+        return f"dsv4_oracle.gpu_impl.cudnn_backend does not implement {op}"
     why = getattr(module, "why_unsupported", None)
     if not callable(why):
         return None
@@ -153,7 +153,7 @@ def resolve_backend(op: str, device, backend: str = "auto", deterministic: bool 
 
 
 def _module(name: str):
-    return torch_backend if name == "torch" else importlib.import_module("gpu_impl.cudnn_backend")
+    return torch_backend if name == "torch" else importlib.import_module("dsv4_oracle.gpu_impl.cudnn_backend")
 
 
 def _device_of(*tensors) -> torch.device:

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from reference.layout import PackedLayout
+from dsv4_oracle.reference.layout import PackedLayout
 
 __all__ = [
     "AttentionArgs", "AttentionBackwardArgs", "FLOAT_DTYPES", "INDEX_DTYPES",

@@ -61,8 +61,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from reference.cp import cp_size
-from reference.layout import PackedLayout
+from dsv4_oracle.reference.cp import cp_size
+from dsv4_oracle.reference.layout import PackedLayout
 
 from . import api
 from .checks import as_bool, as_int, as_real, choice

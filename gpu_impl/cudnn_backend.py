@@ -54,8 +54,8 @@ import math
 
 import torch
 
-from reference.constants import GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
-from reference.indexer_loss import IndexerLoss
+from dsv4_oracle.reference.constants import GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
+from dsv4_oracle.reference.indexer_loss import IndexerLoss
 
 from . import torch_backend
 from .api import OPS
@@ -99,7 +99,7 @@ def _dsa():
 
 def _triton_kernels():
     try:
-        return importlib.import_module("gpu_impl.kernels_triton")
+        return importlib.import_module("dsv4_oracle.gpu_impl.kernels_triton")
     except Exception as exc:
         raise CudnnBackendUnavailable(
             f"the Triton kernels cannot be imported (triton missing?): {type(exc).__name__}: {exc}"
@@ -374,7 +374,7 @@ def _forward_route(q, dv, kernel: str):
             raise ValueError("kernel='cudnn_dsa' needs SM100 and (H, D, Dv) in "
                              "{(64,512,512), (64,576,512), (128,512,512)}")
         return "cudnn_dsa", "cudnn.sparse_attention_forward_wrapper (SM100)"
-    return "triton", "gpu_impl.kernels_triton.attention_forward"
+    return "triton", "dsv4_oracle.gpu_impl.kernels_triton.attention_forward"
 
 
 @_no_grad
@@ -432,7 +432,7 @@ def _backward_route(q, dv, deterministic: bool):
     if not deterministic and major == 9 and cudnn_shape:
         return "cudnn", ("cudnn.sparse_attention_backward_wrapper (SM90; dkv/dsink float atomics: "
                          "not repeatable)")
-    return "triton", ("gpu_impl.kernels_triton_split.attention_backward (row pass + "
+    return "triton", ("dsv4_oracle.gpu_impl.kernels_triton_split.attention_backward (row pass + "
                       "column-sliced fixed-order planes)")
 
 
@@ -471,7 +471,7 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
     dout_c = dout.to(q.dtype).contiguous()
     if route == "triton":
         _triton_kernels()                          # a clear error when triton is missing
-        ks = importlib.import_module("gpu_impl.kernels_triton_split")
+        ks = importlib.import_module("dsv4_oracle.gpu_impl.kernels_triton_split")
         with torch.cuda.device(dev):
             return ks.attention_backward(q, kv, ids, sink32, out_c, lse32, dout_c, scale, dv,
                                          lengths)
@@ -620,7 +620,7 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
     valid = valid & torch_backend.rows_with_teacher_mass(tau, valid)     # rows without teacher mass: zero gradients
     if route == "triton":
         _triton_kernels()                          # a clear error when triton is missing
-        kg = importlib.import_module("gpu_impl.kernels_triton_indexer_grad")
+        kg = importlib.import_module("dsv4_oracle.gpu_impl.kernels_triton_indexer_grad")
         ids_t = torch.where(valid, ids, torch.full_like(ids, -1))
         with torch.cuda.device(dev):
             return kg.indexer_loss_grad(q, k, w, ids_t, tau, p_in, coeff / n_real * grad_loss,

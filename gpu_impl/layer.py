@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from dsv4_oracle.protocol import OPS
-from reference.layout import PackedLayout
+from dsv4_oracle.reference.layout import PackedLayout
 
 from . import api
 from .checks import as_int, as_real, choice, float_tensor

@@ -39,10 +39,10 @@ import math
 
 import torch
 
-from reference.constants import GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
-from reference.indexer_loss import IndexerLoss
-from reference.qnorm import row_scale
-from reference.layout import PackedLayout
+from dsv4_oracle.reference.constants import GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
+from dsv4_oracle.reference.indexer_loss import IndexerLoss
+from dsv4_oracle.reference.qnorm import row_scale
+from dsv4_oracle.reference.layout import PackedLayout
 
 from .checks import (as_bool, as_int, as_real, check_dim, check_layout, choice, float_tensor,
                      head_dim, index_tensor, reject_loss_values, reject_nan, reject_negative,

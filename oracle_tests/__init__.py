@@ -1,6 +1,6 @@
 """The dsv4-oracle test suite.
 
-``test_reference_*.py`` prove the float64 oracle (``reference/``) against itself: closed forms,
+``reference/test_*.py`` prove the float64 oracle (``reference/``) against itself: closed forms,
 an independent dense-mask formulation, finite differences, bitwise CP/chunking invariance and
 argument validation. The helpers below are the few things those files share.
 """

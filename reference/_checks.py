@@ -12,7 +12,7 @@ asks for it explicitly, with ``fixtures.run_oracle(..., compute_device="cuda")``
 scope (and only there: it is a context variable, restored on exit, never set at import) the
 helpers below place the converted inputs on that device and tensors the oracle creates go
 there too (``torch.device`` as a context manager). Results agree with the CPU's within float64
-rounding, not bitwise (``oracle_tests/test_production.py``, the ``gpu`` lane). Outside any
+rounding, not bitwise (``oracle_tests/conformance/test_production.py``, the ``gpu`` lane). Outside any
 scope, and inside ``compute_on("cpu")``, the code path and the bits are the CPU oracle's.
 """
 from __future__ import annotations

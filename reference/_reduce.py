@@ -5,13 +5,13 @@ in global (row, slot) order*. ``torch.Tensor.index_add_`` on the CPU accumulates
 index order, one source slice after another, so folding chunk after chunk gives the same bits
 as folding everything at once: the result does not depend on chunk sizes or on how rows are
 split across CP ranks, as long as contributions arrive in global row order.
-(``oracle_tests/test_reference_reduce.py`` proves the fold against a Python left fold.)
+(``oracle_tests/reference/test_reduce.py`` proves the fold against a Python left fold.)
 
 Every per-row product is :func:`row_bmm`: a batched GEMM whose items are all 64-byte aligned, so
 a row's bits do not depend on which other rows are evaluated with it (plain ``torch.bmm`` on
 the CPU does not promise that: MKL's batched GEMM picks kernels by item address, which varies
 with the batch position when an item's size is not a multiple of 8 elements;
-``oracle_tests/test_reference_cp.py`` has the shapes that showed it).
+``oracle_tests/reference/test_cp.py`` has the shapes that showed it).
 """
 from __future__ import annotations
 

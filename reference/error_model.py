@@ -175,7 +175,6 @@ def _gather_valid(table: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -
 
 def _gathered(q, kv, ids, valid, r0, r1, scale):
     """Per chunk: gathered keys, masked logits, masked magnitudes ``a = |scale| |q|.|k|``."""
-    n, K, D = r1 - r0, ids.shape[1], kv.shape[1]
     kg = _gather_valid(kv, ids[r0:r1], valid[r0:r1])
     v = valid[r0:r1].unsqueeze(1)
     s = (scale * torch.bmm(q[r0:r1], kg.transpose(1, 2))).masked_fill(~v, -INF)
@@ -478,7 +477,6 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
     step = rows_per_chunk(chunk_rows, 8 * Kc * (2 * D + 6 * H))
     for r0 in range(0, T, step):
         r1 = min(r0 + step, T)
-        n = r1 - r0
         sel = valid[r0:r1]                                                    # selected slots
         mv = sel & has_mass[r0:r1].unsqueeze(1)                               # ... with mass
         hv = (mv.unsqueeze(1) & fin[r0:r1].unsqueeze(-1))                     # [n, H, Kc]

@@ -20,7 +20,7 @@ import pytest
 from dsv4_oracle.adapters import Adapter, GpuImplAdapter, load_adapter
 from dsv4_oracle.pytest_plugin import ConformanceError, assert_conforms, cases
 from dsv4_oracle.runner import select_cases
-from reference.error_model import ORACLE_PRECISION
+from dsv4_oracle.reference.error_model import ORACLE_PRECISION
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASE = "lengths-above-width"              # an op-level case: forward and backward, ~1 s
@@ -82,12 +82,12 @@ def test_a_right_implementation_passes_in_every_form():
 
 def test_a_wrong_implementation_raises_the_case_table():
     with pytest.raises(AssertionError) as e:
-        assert_conforms("oracle_tests.check_adapters:SignFlipAdapter", CASE, ops=ATTENTION)
+        assert_conforms("oracle_tests.helpers.check_adapters:SignFlipAdapter", CASE, ops=ATTENTION)
     err = e.value
     assert isinstance(err, ConformanceError)
     assert [c.extra["quantity"] for c in err.outcome.failed_checks] == ["dsink"]
     lines = str(err).splitlines()
-    assert lines[0] == (f"dsv4-oracle: oracle_tests.check_adapters:SignFlipAdapter on cpu: case "
+    assert lines[0] == (f"dsv4-oracle: oracle_tests.helpers.check_adapters:SignFlipAdapter on cpu: case "
                         f"{CASE}: 1 of {len(err.outcome.checks)} checks failed, 3 not judged")
     assert lines[1].split() == ["case", "level", "quantity", "check", "ratio", "detail"]
     assert lines[3].split()[:5] == ["FAIL", CASE, "op", "dsink", "dsink"]

@@ -16,8 +16,8 @@ import torch
 
 from dsv4_oracle.autograd_adapter import AutogradAdapter, from_autograd
 from dsv4_oracle.pytest_plugin import ConformanceError, assert_conforms
-from examples.megatron_style_adapter import MegatronStyleAdapter
-from gpu_impl import api
+from dsv4_oracle.examples.megatron_style_adapter import MegatronStyleAdapter
+from dsv4_oracle.gpu_impl import api
 
 
 class TorchAttention(torch.autograd.Function):

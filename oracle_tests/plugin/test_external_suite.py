@@ -18,12 +18,11 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ADAPTER = '''
-from gpu_impl import api
+from dsv4_oracle.gpu_impl import api
 
 
 class Adapter:
