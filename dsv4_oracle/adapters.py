@@ -51,7 +51,7 @@ from .protocol import ALL_OPS, LAYER_OP, OPS
 
 __all__ = [
     "OPS", "LAYER_OP", "ALL_OPS", "BUILTIN", "AdapterError", "Adapter", "load_adapter",
-    "default_impl", "default_precision", "looser_than_default", "GpuImplAdapter",
+    "default_impl", "default_precision", "looser_than_default", "GpuImplAdapter", "checked_ops",
 ]
 
 BUILTIN = ("reference", "gpu_impl:torch", "gpu_impl:cudnn")
@@ -287,6 +287,23 @@ class GpuImplAdapter:
         kwargs.setdefault("backend", self.request)
         kwargs.setdefault("deterministic", self.deterministic)
         return csa_layer(*args, **kwargs)
+
+
+def checked_ops(adapter: "Adapter", ops) -> tuple[str, ...] | None:
+    """``ops`` (op names, or ``None`` for every op the adapter provides) checked against the
+    protocol and the adapter: ``ValueError`` (one line) for an unknown op or one the adapter
+    lacks. The one rule behind ``dsv4-oracle check --ops`` and ``assert_conforms(ops=...)``."""
+    if ops is None:
+        return None
+    ops = tuple(ops)
+    unknown = [o for o in ops if o not in ALL_OPS]
+    if unknown:
+        raise ValueError(f"unknown op {unknown[0]!r}; ops are {', '.join(ALL_OPS)}")
+    missing = [o for o in ops if not adapter.has(o)]
+    if missing:
+        raise ValueError(f"{adapter.spec} lacks op {missing[0]} (it provides "
+                         f"{', '.join(adapter.ops)})")
+    return ops
 
 
 def default_impl() -> str:

@@ -91,7 +91,7 @@ def main_check(args) -> int:
 
 
 def _main_check(args) -> int:
-    from .adapters import ALL_OPS, AdapterError, default_impl, load_adapter
+    from .adapters import AdapterError, checked_ops, default_impl, load_adapter
     from .runner import SelectionError, run_check, select_cases
 
     if args.replays < 0:
@@ -124,16 +124,11 @@ def _main_check(args) -> int:
         return _usage_error(why)
     if args.precision == "default":
         adapter.use_default_precision()
-    ops = None
-    if args.ops:
-        ops = tuple(o.strip() for o in args.ops.split(",") if o.strip())
-        unknown = [o for o in ops if o not in ALL_OPS]
-        if unknown:
-            return _usage_error(f"--ops: unknown op {unknown[0]!r}; ops are {', '.join(ALL_OPS)}")
-        missing = [o for o in ops if not adapter.has(o)]
-        if missing:
-            return _usage_error(f"adapter {adapter.spec} lacks op {missing[0]} (it provides "
-                                f"{', '.join(adapter.ops)})")
+    try:
+        ops = checked_ops(adapter, [o.strip() for o in args.ops.split(",") if o.strip()]
+                          if args.ops else None)
+    except ValueError as exc:
+        return _usage_error(f"--ops: {exc}")
     try:                # the adapter's precision for every op and dtype, before anything runs
         for dtype in {c.torch_dtype for c in cases}:
             for op in (o for o in adapter.ops if ops is None or o in ops):

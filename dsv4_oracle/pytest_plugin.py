@@ -224,7 +224,7 @@ def assert_conforms(implementation, case, *, replays: int = 2, ops=None, precisi
     argument before anything runs. Returns the :class:`dsv4_oracle.runner.CaseOutcome`.
     """
     __tracebackhide__ = True
-    from .adapters import ALL_OPS
+    from .adapters import checked_ops
     from .report import format_case
     from .runner import check_case
 
@@ -237,14 +237,10 @@ def assert_conforms(implementation, case, *, replays: int = 2, ops=None, precisi
     if ops is not None:
         if isinstance(ops, str) or not all(isinstance(o, str) for o in ops):
             raise TypeError(f"ops must be a list of op names, got {ops!r}")
-        ops = tuple(ops)
-        unknown = [o for o in ops if o not in ALL_OPS]
-        if unknown:
-            raise ValueError(f"ops: unknown op {unknown[0]!r}; ops are {', '.join(ALL_OPS)}")
-        missing = [o for o in ops if not adapter.has(o)]
-        if missing:
-            raise ValueError(f"ops: the implementation {adapter.spec} lacks op {missing[0]} "
-                             f"(it provides {', '.join(adapter.ops)})")
+        try:
+            ops = checked_ops(adapter, ops)
+        except ValueError as exc:
+            raise ValueError(f"ops: {exc}") from None
     why = adapter.unavailable()
     if why:
         pytest.skip(why)
