@@ -31,6 +31,7 @@ edit applied (``python -m pytest``).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -421,8 +422,17 @@ assert len(_BY_NAME) == len(MUTANTS), "mutant names must be unique"
 # ---------------------------------------------------------------------------------------------
 # building a mutant
 # ---------------------------------------------------------------------------------------------
-def _read(rel: str, root: Path = ROOT) -> str:
-    return (root / rel).read_text()
+def _source_path(rel: str) -> Path:
+    """Where the package file ``rel`` (``gpu_impl/torch_backend.py``: a path in the repository)
+    lives: found through the installed package ``dsv4_oracle.gpu_impl`` (a source checkout and
+    a wheel alike)."""
+    top, _, rest = rel.partition("/")
+    pkg = importlib.import_module(f"dsv4_oracle.{top}")
+    return Path(pkg.__file__).resolve().parent / rest
+
+
+def _read(rel: str, root: Path | None = None) -> str:
+    return ((root / rel) if root is not None else _source_path(rel)).read_text()
 
 
 def mutant_source(mutant: Mutant, rel: str, text: str | None = None) -> str:
@@ -446,7 +456,7 @@ def _module(name: str, rel: str, source: str, package: str):
     relative imports resolve against the real ``package``."""
     mod = types.ModuleType(name)
     mod.__package__ = package
-    mod.__file__ = str(ROOT / rel)
+    mod.__file__ = str(_source_path(rel))
     exec(compile(source, f"{rel} [{name}]", "exec"), mod.__dict__)
     return mod
 
@@ -464,10 +474,10 @@ def build_adapter(mutant: Mutant | None):
     tag = "unmutated" if mutant is None else mutant.name.replace("-", "_")
     texts = {rel: _read(rel) if mutant is None else mutant_source(mutant, rel)
              for rel in IN_PROCESS_FILES}
-    tb = _module(f"dsv4_oracle.gpu_impl._mutant_{tag}_torch_backend", TB, texts[TB], "gpu_impl")
-    api = _module(f"dsv4_oracle.gpu_impl._mutant_{tag}_api", API, _read(API), "gpu_impl")
+    tb = _module(f"dsv4_oracle.gpu_impl._mutant_{tag}_torch_backend", TB, texts[TB], "dsv4_oracle.gpu_impl")
+    api = _module(f"dsv4_oracle.gpu_impl._mutant_{tag}_api", API, _read(API), "dsv4_oracle.gpu_impl")
     api.torch_backend = tb               # the private api dispatches "torch" to the mutant
-    layer = _module(f"dsv4_oracle.gpu_impl._mutant_{tag}_layer", LAYER, texts[LAYER], "gpu_impl")
+    layer = _module(f"dsv4_oracle.gpu_impl._mutant_{tag}_layer", LAYER, texts[LAYER], "dsv4_oracle.gpu_impl")
     layer.api = api
 
     class _MutantImpl(GpuImplAdapter):
@@ -585,6 +595,9 @@ def run_lane_mutant(mutant: Mutant, *, timeout_s: float = 600.0) -> MutantResult
     """Apply ``mutant`` to a temporary copy of the repository and run its lane tests there
     (``python -m pytest -x``): killed iff a test fails. The repository itself is untouched."""
     t0 = time.perf_counter()
+    if not (ROOT / "oracle_tests").is_dir():
+        raise ValueError("lane mutants run the repository's own test suite: run --lanes from a "
+                         "source checkout of dsv4-oracle")
     try:
         texts = {rel: mutant_source(mutant, rel) for rel in mutant.files}
     except StaleMutant as exc:
@@ -761,6 +774,10 @@ def main_mutate(args) -> int:
         print(format_table([r], width=width), flush=True)
 
     t0 = time.perf_counter()
+    if args.lanes and not (ROOT / "oracle_tests").is_dir():
+        print("dsv4-oracle mutate: error: --lanes runs the repository's own test suite: run it "
+              "from a source checkout of dsv4-oracle", file=sys.stderr)
+        return 2
     results = run_mutation(mutants, quick=args.quick, lanes=args.lanes,
                            baseline=not args.no_baseline, progress=progress,
                            on_result=on_result)
