@@ -407,23 +407,17 @@ def main():
     log(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {rate / 1e12:.0f} TFLOP/s")
     rows: list = []
     for i, T in enumerate(args.T):
+        def row(what, ms, flops=None, note="", T=T):
+            r = dict(T=T, what=what, ms=round(ms, 4), note=note)
+            if flops:
+                r["TFLOPs"] = round(flops / (ms * 1e-3) / 1e12, 1)
+            rows.append(r)
+            log(json.dumps(r))
         if args.det_backward_only:
-            def row(what, ms, flops=None, note="", T=T):
-                r = dict(T=T, what=what, ms=round(ms, 4), note=note)
-                if flops:
-                    r["TFLOPs"] = round(flops / (ms * 1e-3) / 1e12, 1)
-                rows.append(r)
-                log(json.dumps(r))
             bench_det_backward(make_inputs(T), T, args.reps, row, log,
-                           sweep=not args.no_sweep and i == 0)
+                               sweep=not args.no_sweep and i == 0)
             continue
         if args.indexer_grad_only:
-            def row(what, ms, flops=None, note="", T=T):
-                r = dict(T=T, what=what, ms=round(ms, 4), note=note)
-                if flops:
-                    r["TFLOPs"] = round(flops / (ms * 1e-3) / 1e12, 1)
-                rows.append(r)
-                log(json.dumps(r))
             bench_indexer_grad(make_inputs(T), T, args.reps, row, log,
                                sweep=not args.no_sweep and i == 0)
             continue

@@ -211,11 +211,6 @@ def _is_layout(v) -> bool:
     return isinstance(v, reference.PackedLayout)
 
 
-# the tensors that define a PackedLayout and what it derives from them (contract section 1)
-_LAYOUT_TENSORS = ("cu_seqlens", "cu_seqlens_padded", "doc_lengths", "doc_padded_lengths", "doc",
-                   "pos", "is_real")
-
-
 def _layout_copy(lay):
     """A fresh PackedLayout built from private copies of ``lay``'s defining arrays."""
     return type(lay)(lay.cu_seqlens.clone(), lay.cu_seqlens_padded.clone(), lay.num_rows)
@@ -237,7 +232,7 @@ def _hand_out(value, name: str, pairs: list, private: bool):
         return handed
     if _is_layout(value):
         handed = _layout_copy(value)
-        for k in _LAYOUT_TENSORS:
+        for k in type(value).TENSORS:
             pairs.append((f"{name}.{k}", getattr(value, k), getattr(handed, k)))
         pairs.append((name, _plain(value), handed))
         return handed

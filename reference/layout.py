@@ -39,7 +39,8 @@ class PackedLayout:
     inside ``reference._checks.compute_on``); the layout itself holds no state about devices.
     """
 
-    _TENSORS = ("cu_seqlens", "cu_seqlens_padded", "doc_lengths", "doc_padded_lengths", "doc",
+    # the tensors that define a layout and what it derives from them (each a property)
+    TENSORS = ("cu_seqlens", "cu_seqlens_padded", "doc_lengths", "doc_padded_lengths", "doc",
                 "pos", "is_real")
 
     def __init__(self, cu_seqlens, cu_seqlens_padded=None, num_rows=None):

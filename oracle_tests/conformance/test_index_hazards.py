@@ -3,7 +3,6 @@ oracle and its error model stay finite on it, a plausible wrong implementation f
 the torch backend passes it."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from dsv4_oracle.adapters import load_adapter
 from dsv4_oracle.runner import check_case
 from dsv4_oracle.fixtures import Case, by_category, get, oracle_bounds, run_oracle
 from dsv4_oracle.fixtures.case import EDGE_IDS, HOSTILE_IDS
+from oracle_tests.helpers.impl_harness import torch_backend_outcome
 
 HAZARDS = by_category("index_hazards")
 
@@ -99,11 +99,7 @@ def test_key_rows_validation():
 
 @pytest.mark.parametrize("case_id", ["hazard-large-key-buffer", "hazard-nan-rows-first-last"])
 def test_torch_backend_passes(case_id):
-    outcome = check_case(load_adapter("gpu_impl:torch"), get(case_id), replays=2)
-    assert outcome.error is None
-    bad = [(c.name, c.detail) for c in outcome.failed_checks]
-    assert not bad, bad
-    assert math.isfinite(max(c.ratio for c in outcome.checks if c.ratio is not None))
+    torch_backend_outcome(case_id)
 
 
 @pytest.mark.slow

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4_oracle.examples.megatron_style_adapter import MegatronStyleAdapter
 from dsv4_oracle.reference.indices import compact_rows
 from dsv4_oracle.reference.error_model import Precision
 
@@ -57,13 +58,8 @@ F32_MAX = torch.finfo(F32).max
 # ---------------------------------------------------------------------------------------------
 def minus_one_ids(ids, num_keys, lengths=None):
     """Contract ids (any invalid id: negative, ``>= S``; slots at or past ``lengths``) -> the
-    field's form, ``-1`` for every unused slot."""
-    ids = ids.long()
-    ok = (ids >= 0) & (ids < num_keys)
-    if lengths is not None:
-        slot = torch.arange(ids.shape[1], device=ids.device)
-        ok &= slot[None, :] < lengths.long()[:, None]
-    return torch.where(ok, ids, torch.full_like(ids, -1))
+    field's form, ``-1`` for every unused slot (the worked example's mapping)."""
+    return MegatronStyleAdapter._their_ids(ids, num_keys, lengths)
 
 
 def attention_fwd_f32(q, kv, topk_idxs, attn_sink, softmax_scale, v_dim, topk_length=None,

@@ -122,3 +122,20 @@ def assert_checks(checks: list, label: str = "") -> None:
     print(f"{label}\n{table}")
     bad = [c for c in checks if not c.passed]
     assert not bad, f"{label}: {len(bad)} check(s) failed\n{table}"
+
+
+def torch_backend_outcome(case_id: str):
+    """``dsv4-oracle check`` of the torch backend (``gpu_impl:torch``, CPU) on one catalog case,
+    asserted to pass with a finite worst ratio; the outcome, for further assertions."""
+    import math
+
+    from dsv4_oracle.adapters import load_adapter
+    from dsv4_oracle.fixtures import get
+    from dsv4_oracle.runner import check_case
+
+    outcome = check_case(load_adapter("gpu_impl:torch"), get(case_id), replays=2)
+    assert outcome.error is None, outcome.error
+    bad = [(c.name, c.detail) for c in outcome.failed_checks]
+    assert not bad, bad
+    assert math.isfinite(max(c.ratio for c in outcome.checks if c.ratio is not None))
+    return outcome
