@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
+
+from dsv4_oracle.reference._checks import compute_device
 
 __all__ = [
     "CheckResult",
@@ -140,12 +144,19 @@ def _cpu(x: torch.Tensor) -> torch.Tensor:
     return x.detach().to("cpu")
 
 
+def _work(x: torch.Tensor) -> torch.Tensor:
+    """``x`` detached on the device comparisons run on: the CPU, or the oracle's compute device
+    inside ``reference._checks.compute_on`` (the checker's ``--oracle-device``). Comparisons are
+    elementwise float64 arithmetic, maxima and counts, exact on every device."""
+    return x.detach().to(compute_device())
+
+
 # ---------------------------------------------------------------------------------------------
 # Numeric and exact comparisons
 # ---------------------------------------------------------------------------------------------
 
 def _nonfinite_code(x: torch.Tensor) -> torch.Tensor:
-    code = torch.zeros(x.shape, dtype=torch.int8)
+    code = torch.zeros(x.shape, dtype=torch.int8, device=x.device)
     code[torch.isnan(x)] = 1
     code[x == math.inf] = 2
     code[x == -math.inf] = 3
@@ -160,11 +171,11 @@ def ill_conditioned(expected, bound) -> torch.Tensor:
     between 0 and twice the expected one would pass there, so agreement on it proves nothing.
     Such elements are reported as "not judged (ill-conditioned)" with a count, never counted as
     a pass. A zero bound is an exact check and never ill-conditioned. Returns a bool tensor of
-    ``expected``'s shape on the CPU. This is the one copy of the rule: the comparison and the
-    power table both use it.
+    ``expected``'s shape on the CPU (on the compute device inside ``compute_on``). This is the
+    one copy of the rule: the comparison and the power table both use it.
     """
-    e64 = _cpu(_tensor(expected, "expected")).to(_F64)
-    b64 = torch.broadcast_to(_cpu(_tensor(bound, "bound")).to(_F64), e64.shape)
+    e64 = _work(_tensor(expected, "expected")).to(_F64)
+    b64 = torch.broadcast_to(_work(_tensor(bound, "bound")).to(_F64), e64.shape)
     return torch.isfinite(e64) & (b64 > 0) & (b64 >= e64.abs())
 
 
@@ -173,9 +184,9 @@ def error_ratios(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tens
     two are equal (non-finite values included), ``inf`` where a non-finite value differs or a
     positive error meets a zero bound. ``bound`` must broadcast to ``expected``; shapes of
     ``actual`` and ``expected`` must match."""
-    a64 = _cpu(actual).to(_F64)
-    e64 = _cpu(expected).to(_F64)
-    b64 = torch.broadcast_to(_cpu(bound).to(_F64), e64.shape)
+    a64 = _work(actual).to(_F64)
+    e64 = _work(expected).to(_F64)
+    b64 = torch.broadcast_to(_work(bound).to(_F64), e64.shape)
     same = (a64 == e64) | (torch.isnan(a64) & torch.isnan(e64))
     fin = torch.isfinite(a64) & torch.isfinite(e64)
     err = torch.where(fin, (a64 - e64).abs(), torch.full_like(e64, math.inf))
@@ -209,9 +220,9 @@ def compare_numeric(name: str, actual, expected, bound) -> CheckResult:
         raise TypeError("compare_numeric: complex tensors are not supported")
     if not b.is_floating_point():
         raise TypeError(f"bound must be a floating-point tensor, got dtype {b.dtype}")
-    e64 = _cpu(e).to(_F64)
+    e64 = _work(e).to(_F64)
     try:
-        b64 = torch.broadcast_to(_cpu(b).to(_F64), e64.shape)
+        b64 = torch.broadcast_to(_work(b).to(_F64), e64.shape)
     except RuntimeError:
         raise ValueError(f"bound of shape {tuple(b.shape)} does not broadcast to expected "
                          f"{tuple(e.shape)}") from None
@@ -221,7 +232,7 @@ def compare_numeric(name: str, actual, expected, bound) -> CheckResult:
         return CheckResult(name, "numeric", False, math.inf, None,
                            f"shape {tuple(a.shape)} != expected {tuple(e.shape)}",
                            {"shape": list(a.shape), "expected_shape": list(e.shape)})
-    a64 = _cpu(a).to(_F64)
+    a64 = _work(a).to(_F64)
     n = e64.numel()
     if n == 0:
         return not_judged(name, "numeric", "empty tensor, nothing to compare", numel=0)
@@ -595,12 +606,28 @@ def check_grad_mode_parity(fn, *, name: str = "grad_modes") -> CheckResult:
                        f"differs from grad-enabled under {parts}", extra)
 
 
+_HASH_CHUNK = 1 << 26      # bytes per sha256 leaf of content_hash (64 MiB)
+
+
 def content_hash(t: torch.Tensor) -> str:
-    """sha256 of dtype, shape and the bytes of the values in logical (row-major) order."""
-    x = _cpu(t).contiguous()
+    """A sha256 fingerprint of dtype, shape and the bytes of the values in logical (row-major)
+    order: the sha256 of the header and the sha256 digests of consecutive 64 MiB pieces of the
+    bytes (a two-level tree; one piece for tensors up to 64 MiB). The pieces are hashed in
+    parallel threads, straight from the tensor's memory (``hashlib`` releases the GIL), so a
+    production-size tensor costs its bytes over the machine's cores, not one core. The value is
+    an in-memory fingerprint (replays, no-mutation checks, cache keys), never stored."""
+    x = t.detach().to("cpu").contiguous()
     h = hashlib.sha256(f"{x.dtype}|{tuple(x.shape)}|".encode())
     if x.numel():
-        h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
+        buf = memoryview(x.reshape(-1).view(torch.uint8).numpy())
+        pieces = [buf[i:i + _HASH_CHUNK] for i in range(0, len(buf), _HASH_CHUNK)]
+        if len(pieces) == 1:
+            h.update(pieces[0])
+        else:
+            workers = min(len(pieces), os.cpu_count() or 1)
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                for d in pool.map(lambda b: hashlib.sha256(b).digest(), pieces):
+                    h.update(d)
     return h.hexdigest()
 
 

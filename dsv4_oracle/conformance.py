@@ -35,6 +35,7 @@ the same arguments as the adapter's op.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -367,11 +368,6 @@ def _unusable(res: CheckResult) -> bool:
                                or "expected_shape" in res.extra)
 
 
-def _key(*parts):
-    """A cache key from tensors (content hashes) and plain values."""
-    return tuple(content_hash(p) if isinstance(p, torch.Tensor) else p for p in parts)
-
-
 def _on_device(device):
     """``run(fn)``: ``fn()`` with the oracle computing on ``device`` and its results moved to
     the CPU (``None``: the CPU oracle, unchanged)."""
@@ -383,6 +379,15 @@ def _on_device(device):
         with compute_on(dev):
             return to_cpu(fn())
     return run
+
+
+def _comparing_on(device):
+    """The scope of the judge's numeric comparisons: on ``device`` when the oracle computes
+    there (``compare`` then works on that device: the float64 arithmetic of a production-size
+    comparison is the GPU's, the verdict and its numbers the same), else on the CPU."""
+    if device is None:
+        return contextlib.nullcontext()
+    return compute_on(as_device(device, "oracle_device"))
 
 
 def error_ratio_map(actual, expected, bound) -> torch.Tensor:
@@ -404,6 +409,8 @@ class _Judging:
     def __init__(self, case, x, got, con, precision, cache, maps, oracle_device=None):
         self.case, self.lay = case, case.layout()
         self.on = _on_device(oracle_device)
+        self.comparing = lambda: _comparing_on(oracle_device)
+        self.hashes: dict = {}
         self.x = {k: t.detach().to("cpu") for k, t in x.items() if isinstance(t, torch.Tensor)}
         self.got = got
         self.con = {k: v.detach().to("cpu") for k, v in con.items()
@@ -427,10 +434,21 @@ class _Judging:
                             f"got {type(p).__name__}")
         return p
 
+    def fingerprint(self, t: torch.Tensor) -> str:
+        """:func:`content_hash` of ``t``, computed once per piece of memory this judging reads
+        (the tensor is kept alive with its hash, so the address cannot be reused; an in-place
+        write bumps the version and is hashed afresh)."""
+        k = (t.device.type, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+             t.stride(), t.dtype, t._version)
+        if k not in self.hashes:
+            self.hashes[k] = (t, content_hash(t))
+        return self.hashes[k][1]
+
     def memo(self, name, fn, *parts):
         if self.cache is None:
             return self.on(fn)
-        k = (name,) + _key(*parts)
+        k = (name,) + tuple(self.fingerprint(p) if isinstance(p, torch.Tensor) else p
+                            for p in parts)
         if k not in self.cache:
             self.cache[k] = self.on(fn)
         return self.cache[k]
@@ -458,18 +476,22 @@ class _Judging:
         """:func:`compare_numeric` of ``got[name]``, plus hints when it fails: where the
         over-bound elements concentrate, and whether ``-actual`` would pass (a flipped sign)."""
         actual = self.got[name]
-        res = compare_numeric(name, actual, expected, bound)
+        with self.comparing():
+            res = compare_numeric(name, actual, expected, bound)
         if res.passed or res.ratio is None or not math.isfinite(res.ratio) or \
                 tuple(actual.shape) != tuple(expected.shape):
             return _tagged(res, name)
         hints, extra = [], {}
-        over = error_ratios(actual.detach(), expected, bound) > 1
+        with self.comparing():
+            over = (error_ratios(actual.detach(), expected, bound) > 1).to("cpu")
         where_ = concentration_hint(over, AXES.get(name, ()), self.lay) \
             if over.dim() == len(AXES.get(name, ())) else None
         if where_:
             hints.append(where_)
             extra["concentration"] = where_
-        if compare_numeric(name, -actual.detach().to("cpu", F64), expected, bound).passed:
+        with self.comparing():
+            flipped = compare_numeric(name, -actual.detach().to("cpu", F64), expected, bound)
+        if flipped.passed:
             hints.append("-actual is within the bound everywhere: a flipped sign?")
             extra["hint"] = "sign"
         if hints:
@@ -553,8 +575,9 @@ def _judge_forward(j: _Judging, st: Stage) -> list:
             checks.append(_tagged(compare_exact(f"sink-only rows: {what}", g[empty],
                                                 exp[empty].to(g.dtype)), "sink_only"))
             if j.maps is not None:
-                j.maps[name] = error_ratio_map(g, out_o if name == "out" else lse_o,
-                                               b_out if name == "out" else b_lse)
+                with j.comparing():
+                    j.maps[name] = error_ratio_map(g, out_o if name == "out" else lse_o,
+                                                   b_out if name == "out" else b_lse).cpu()
     return checks
 
 
@@ -633,7 +656,8 @@ def _judge_backward(j: _Judging, st: Stage, pinned: str | None = None) -> list:
             checks.append(_tagged(compare_exact("sink-only rows: dq == 0", dq[empty],
                                                 torch.zeros_like(dq[empty])), "sink_only"))
             if j.maps is not None:
-                j.maps["dq"] = error_ratio_map(dq, g_o[0], bounds[0])
+                with j.comparing():
+                    j.maps["dq"] = error_ratio_map(dq, g_o[0], bounds[0]).cpu()
     return checks
 
 

@@ -173,6 +173,24 @@ def test_cuda_oracle_matches_cpu_oracle(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case_id", ["dsv4-flash-T32", "sink-mixed", "dsa-padded",
+                                     "nan-poison-edge-rows"])
+def test_judging_on_cuda_matches_judging_on_cpu(case_id):
+    """With ``oracle_device="cuda"`` the oracle and the judge's numeric comparisons run on the
+    GPU: the same checks, the same verdicts, ratios equal within float64 rounding."""
+    adapter = load_adapter("gpu_impl:torch")
+    case = get(case_id)
+    a = check_case(adapter, case, replays=1)
+    b = check_case(adapter, case, replays=1, oracle_device="cuda")
+    assert [(r.name, r.passed, r.judged, r.mismatches) for r in a.checks] == \
+        [(r.name, r.passed, r.judged, r.mismatches) for r in b.checks]
+    for r, s in zip(a.checks, b.checks):
+        if r.ratio is not None and math.isfinite(r.ratio):
+            assert s.ratio == pytest.approx(r.ratio, rel=1e-9, abs=1e-12), r.name
+    assert set(a.maps) == set(b.maps)
+
+
+@pytest.mark.gpu
 def test_cuda_oracle_bounds_match_cpu_bounds():
     case = get("dsa-v32-heads")
     x = case.materialize()

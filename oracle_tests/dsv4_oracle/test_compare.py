@@ -320,3 +320,20 @@ def test_checks_do_not_mutate_their_inputs():
     assert r.passed
     ids, lengths = stable_topk(_scores(), 4)
     assert check_no_mutation(compare_topk, (ids, lengths, ids.flip(1), lengths)).passed
+
+
+def test_content_hash_over_pieces(monkeypatch):
+    """A tensor larger than one hash piece: the value depends on every byte, on the dtype and
+    on the shape, and is the same on every call (the pieces are hashed in parallel)."""
+    import dsv4_oracle.compare as C
+    monkeypatch.setattr(C, "_HASH_CHUNK", 1000)
+    x = torch.randn(4096, dtype=torch.float64)            # 32768 bytes: 33 pieces
+    h = C.content_hash(x)
+    assert all(C.content_hash(x) == h for _ in range(3))
+    for i in (0, 124, 125, 4095):                          # first, both sides of a piece edge, last
+        y = x.clone()
+        y[i] = torch.nextafter(y[i], torch.tensor(math.inf, dtype=torch.float64))
+        assert C.content_hash(y) != h, i
+    assert C.content_hash(x.view(64, 64)) != h
+    assert C.content_hash(x.view(torch.int64)) != h
+    assert C.content_hash(x[::2]) == C.content_hash(x[::2].contiguous())
