@@ -40,6 +40,7 @@ __all__ = [
     "TOPK_ORDERS",
     "ill_conditioned",
     "error_ratios",
+    "row_chunks",
     "not_judged",
     "STATUSES",
 ]
@@ -220,60 +221,122 @@ def compare_numeric(name: str, actual, expected, bound) -> CheckResult:
         raise TypeError("compare_numeric: complex tensors are not supported")
     if not b.is_floating_point():
         raise TypeError(f"bound must be a floating-point tensor, got dtype {b.dtype}")
-    e64 = _work(e).to(_F64)
     try:
-        b64 = torch.broadcast_to(_work(b).to(_F64), e64.shape)
+        b_full = torch.broadcast_to(b, e.shape)          # a view: nothing is copied
     except RuntimeError:
         raise ValueError(f"bound of shape {tuple(b.shape)} does not broadcast to expected "
                          f"{tuple(e.shape)}") from None
-    if bool(torch.isnan(b64).any()) or bool((b64 < 0).any()):
+    n = e.numel()
+    if n and any(bool(torch.isnan(c).any()) or bool((c < 0).any()) for c in _chunks64(b)):
         raise ValueError("bound must be non-negative and free of NaN")
     if tuple(a.shape) != tuple(e.shape):
         return CheckResult(name, "numeric", False, math.inf, None,
                            f"shape {tuple(a.shape)} != expected {tuple(e.shape)}",
                            {"shape": list(a.shape), "expected_shape": list(e.shape)})
-    a64 = _work(a).to(_F64)
-    n = e64.numel()
     if n == 0:
         return not_judged(name, "numeric", "empty tensor, nothing to compare", numel=0)
-    # 1. exact check of the non-finite positions (codes: 0 finite, 1 NaN, 2 +inf, 3 -inf)
-    sa, se = _nonfinite_code(a64), _nonfinite_code(e64)
-    bad = (sa != se).reshape(-1)
-    nbad = int(bad.sum())
-    if nbad:
-        i = int(torch.nonzero(bad)[0])
-        idx = _index(i, e64.shape)
+    s = _NumericScan()
+    per_row = e[0].numel() if e.dim() else 1
+    for r0, r1 in row_chunks(e):
+        rows = slice(r0, r1) if e.dim() else Ellipsis
+        s.add(r0 * per_row, _work(a[rows]).to(_F64), _work(e[rows]).to(_F64),
+              _work(b_full[rows]).to(_F64))
+    if s.nbad:
+        # 1. the non-finite positions (-inf, +inf, NaN) must be identical: an exact check
+        i = s.first_bad
+        idx = _index(i, e.shape)
+        av, ev = _element(a, idx), _element(e, idx)
         return CheckResult(
-            name, "numeric", False, math.inf, nbad,
-            f"{nbad} of {n} non-finite positions differ; first at {idx}: actual "
-            f"{float(a64.reshape(-1)[i])!r}, expected {float(e64.reshape(-1)[i])!r}",
-            {"nonfinite_mismatches": nbad, "worst_index": idx, "numel": n})
+            name, "numeric", False, math.inf, s.nbad,
+            f"{s.nbad} of {n} non-finite positions differ; first at {idx}: actual "
+            f"{av!r}, expected {ev!r}",
+            {"nonfinite_mismatches": s.nbad, "worst_index": idx, "numel": n})
     # 2. error / bound over the finite positions; ill-conditioned elements are not judged
-    fin = (se == 0).reshape(-1)
-    err = (a64 - e64).abs().reshape(-1)
-    err = torch.where(fin, err, torch.zeros_like(err))
-    bf = b64.reshape(-1)
-    r = error_ratios(a64, e64, b64).reshape(-1)
-    ill = ill_conditioned(e64, b64).reshape(-1)
-    n_ill = int(ill.sum())
-    over = int((r > 1).sum())
-    passed = over == 0
-    judged = not passed or n_ill < n
-    i = int(torch.argmax(r if not passed or not judged else torch.where(ill, -1.0, r)))
-    worst = float(r[i])
-    idx = _index(i, e64.shape)
-    extra = {"max_error": float(err.max()), "worst_index": idx, "worst_error": float(err[i]),
-             "worst_bound": float(bf[i]), "numel": n, "ill_conditioned": n_ill}
-    at = (f"ratio {worst:.3g} (error {float(err[i]):.3g} / bound {float(bf[i]):.3g}) at {idx}: "
-          f"actual {float(a64.reshape(-1)[i])!r}, expected {float(e64.reshape(-1)[i])!r}")
-    ill_txt = f"; {n_ill} of {n} elements not judged (ill-conditioned)" if n_ill else ""
+    passed = s.over == 0
+    judged = not passed or s.n_ill < n
+    worst, i = s.worst_all if not passed or not judged else s.worst_judged
+    idx = _index(i, e.shape)
+    av, ev, bv = _element(a, idx), _element(e, idx), _element(b_full, idx)
+    ei = abs(av - ev) if math.isfinite(av) and math.isfinite(ev) else 0.0
+    extra = {"max_error": s.max_error, "worst_index": idx, "worst_error": ei,
+             "worst_bound": bv, "numel": n, "ill_conditioned": s.n_ill}
+    at = (f"ratio {worst:.3g} (error {ei:.3g} / bound {bv:.3g}) at {idx}: "
+          f"actual {av!r}, expected {ev!r}")
+    ill_txt = f"; {s.n_ill} of {n} elements not judged (ill-conditioned)" if s.n_ill else ""
     if not judged:
         return CheckResult(name, "numeric", True, worst, 0,
                            f"not judged: all {n} elements ill-conditioned (bound >= |expected|); "
                            f"largest {at}", {**extra, "not_judged": "ill-conditioned"},
                            judged=False)
-    detail = at + ("" if passed else f"; {over} of {n} elements over their bound") + ill_txt
-    return CheckResult(name, "numeric", passed, worst, over, detail, extra)
+    detail = at + ("" if passed else f"; {s.over} of {n} elements over their bound") + ill_txt
+    return CheckResult(name, "numeric", passed, worst, s.over, detail, extra)
+
+
+_COMPARE_ELEMENTS = 1 << 24     # elements per chunk of a numeric comparison
+
+
+def row_chunks(t: torch.Tensor):
+    """``(r0, r1)`` slices of ``t``'s first dimension of about ``_COMPARE_ELEMENTS`` elements
+    each (one slice for a 0-d tensor): a comparison's float64 temporaries stay a few chunks in
+    size whatever the tensor's size."""
+    if t.dim() == 0:
+        yield 0, None
+        return
+    per_row = max(1, t[0].numel()) if t.shape[0] else 1
+    step = max(1, _COMPARE_ELEMENTS // per_row)
+    for r0 in range(0, t.shape[0], step):
+        yield r0, min(r0 + step, t.shape[0])
+
+
+def _chunks64(t: torch.Tensor):
+    """``t`` in row chunks (:func:`row_chunks`), each float64 on the comparison device."""
+    for r0, r1 in row_chunks(t):
+        yield _work(t[r0:r1] if t.dim() else t).to(_F64)
+
+
+def _element(t: torch.Tensor, idx: list) -> float:
+    """The element of ``t`` at multi-index ``idx`` as a Python float (float64)."""
+    return float(t[tuple(idx)].detach().to("cpu", _F64))
+
+
+class _NumericScan:
+    """The running statistics of :func:`compare_numeric` over row chunks: non-finite position
+    mismatches (count, first flat index), the largest finite error, the count of elements over
+    their bound, the count of ill-conditioned ones, and the largest ratio with its first flat
+    index over all elements and over the judged ones. Exactly the whole-tensor statistics: the
+    counts add, a maximum's first index is the first chunk's that reaches it."""
+
+    def __init__(self):
+        self.nbad, self.first_bad = 0, None
+        self.max_error = 0.0
+        self.over = self.n_ill = 0
+        self.worst_all = (-math.inf, 0)
+        self.worst_judged = (-math.inf, 0)
+
+    @staticmethod
+    def _better(cur, value, index):
+        return (value, index) if value > cur[0] else cur
+
+    def add(self, off: int, a64, e64, b64):
+        """One chunk: float64 tensors of one shape, ``off`` its first element's flat index."""
+        sa, se = _nonfinite_code(a64), _nonfinite_code(e64)
+        bad = (sa != se).reshape(-1)
+        nbad = int(bad.sum())
+        if nbad and self.first_bad is None:
+            self.first_bad = off + int(torch.nonzero(bad)[0])
+        self.nbad += nbad
+        fin = (se == 0).reshape(-1)
+        err = torch.where(fin, (a64 - e64).abs().reshape(-1), 0.0)
+        self.max_error = max(self.max_error, float(err.max()))
+        r = error_ratios(a64, e64, b64).reshape(-1)
+        ill = ill_conditioned(e64, b64).reshape(-1)
+        self.n_ill += int(ill.sum())
+        self.over += int((r > 1).sum())
+        i = int(torch.argmax(r))
+        self.worst_all = self._better(self.worst_all, float(r[i]), off + i)
+        rj = torch.where(ill, -1.0, r)
+        i = int(torch.argmax(rj))
+        self.worst_judged = self._better(self.worst_judged, float(rj[i]), off + i)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ from .adapters import Adapter
 from .hints import AXES, concentration_hint
 from .invoke import OpError, call_op
 from .compare import (CheckResult, compare_exact, compare_numeric, compare_topk, content_hash,
-                      error_ratios, near_tie_rows, not_judged)
+                      error_ratios, near_tie_rows, not_judged, row_chunks)
 
 __all__ = ["QUANTITIES", "FORWARD_OUTPUTS", "BACKWARD_OPS", "BACKWARD_CONVENTIONS", "STAGES",
            "Stage", "Run", "OpError", "applies", "oracle_stage", "oracle_outputs", "run_ops",
@@ -393,12 +393,19 @@ def _comparing_on(device):
 def error_ratio_map(actual, expected, bound) -> torch.Tensor:
     """Per ``(row, head)`` the largest ``|actual - expected| / bound`` over the trailing
     dimensions (0 where equal, ``inf`` where a non-finite value differs or a zero bound is
-    broken), float64 ``[T, H]`` (``[T, 1]`` for 1-D tensors). Shapes must match."""
-    r = error_ratios(actual.detach(), expected.detach(), bound.detach())
-    if r.dim() == 1:
-        return r.unsqueeze(1)
-    return r.reshape(r.shape[0], r.shape[1], -1).amax(dim=2) if r.shape[-1] else \
-        torch.zeros(r.shape[:2], dtype=F64)
+    broken), float64 ``[T, H]`` (``[T, 1]`` for 1-D tensors). Shapes must match. Computed in
+    row chunks, so its float64 temporaries stay small whatever ``T``."""
+    actual, expected = actual.detach(), expected.detach()
+    bound = torch.broadcast_to(bound.detach(), expected.shape)
+
+    def rows(r0, r1):
+        r = error_ratios(actual[r0:r1], expected[r0:r1], bound[r0:r1])
+        if r.dim() <= 2:
+            return r.unsqueeze(1) if r.dim() == 1 else r
+        return r.flatten(2).amax(dim=2) if math.prod(r.shape[2:]) else \
+            torch.zeros(r.shape[:2], dtype=F64, device=r.device)
+    parts = [rows(r0, r1) for r0, r1 in row_chunks(expected)]
+    return torch.cat(parts) if parts else rows(0, 0)
 
 
 class _Judging:

@@ -337,3 +337,59 @@ def test_content_hash_over_pieces(monkeypatch):
     assert C.content_hash(x.view(64, 64)) != h
     assert C.content_hash(x.view(torch.int64)) != h
     assert C.content_hash(x[::2]) == C.content_hash(x[::2].contiguous())
+
+
+def _numeric_inputs():
+    g = torch.Generator().manual_seed(7)
+    e = torch.randn(5, 3, 4, dtype=torch.float64, generator=g)
+    b = torch.full_like(e, 1e-3)
+    small = e + 5e-4 * torch.randn(e.shape, dtype=torch.float64, generator=g).clamp(-1, 1)
+    over = small.clone()
+    over[1, 2, 3] += 0.5
+    over[3, 0, 0] += 0.5                                      # the same error twice: a tie
+    over[3, 0, 0] = over[1, 2, 3] - e[1, 2, 3] + e[3, 0, 0]
+    nonfin_e = e.clone()
+    nonfin_e[2, 1, 1] = math.inf
+    nonfin_e[4, 0, 2] = math.nan
+    nonfin_a = small.clone()
+    nonfin_a[2, 1, 1] = math.inf
+    nonfin_a[4, 0, 2] = math.nan
+    swapped = nonfin_a.clone()
+    swapped[4, 0, 2] = -math.inf
+    ill_b = e.abs() * 2
+    part_ill = b.clone()
+    part_ill[:2] = e[:2].abs() * 2
+    zero_b = torch.zeros_like(e)
+    yield "pass", small, e, b
+    yield "over, tied worst", over, e, b
+    yield "non-finite positions equal", nonfin_a, nonfin_e, b
+    yield "non-finite positions differ", swapped, nonfin_e, b
+    yield "all ill-conditioned", small, e, ill_b
+    yield "part ill-conditioned", small, e, part_ill
+    yield "part ill-conditioned, failing", over, e, part_ill
+    yield "zero bound, equal", e.clone(), e, zero_b
+    yield "zero bound, different", small, e, zero_b
+    yield "scalar bound", small, e, torch.tensor(1e-3, dtype=torch.float64)
+    yield "bound per last dim", over, e, torch.full((4,), 1e-3, dtype=torch.float64)
+    yield "bound [1, 3, 4]", over, e, torch.full((1, 3, 4), 1e-3, dtype=torch.float64)
+    yield "1-D", small.reshape(-1), e.reshape(-1), b.reshape(-1)
+    yield "0-d", small[0, 0, 0], e[0, 0, 0], b[0, 0, 0]
+    yield "float32 actual", over.float(), e, b
+
+
+@pytest.mark.parametrize("elements", [1, 5, 12, 13, 1 << 30])
+def test_compare_numeric_is_the_same_in_any_chunking(monkeypatch, elements):
+    """compare_numeric scans row chunks: every field of the result (verdict, ratio, counts,
+    worst element, detail) is the whole-tensor one, whatever the chunk size."""
+    import dsv4_oracle.compare as C
+    whole = {k: C.compare_numeric(k, a, e, b) for k, a, e, b in _numeric_inputs()}
+    monkeypatch.setattr(C, "_COMPARE_ELEMENTS", elements)
+    for k, a, e, b in _numeric_inputs():
+        r = C.compare_numeric(k, a, e, b)
+        assert r == whole[k], k
+    assert whole["over, tied worst"].extra["worst_index"] == [1, 2, 3]       # the first of a tie
+    assert whole["non-finite positions differ"].extra["worst_index"] == [4, 0, 2]
+    assert not whole["over, tied worst"].passed and whole["over, tied worst"].mismatches == 2
+    assert whole["all ill-conditioned"].status == "not_judged"
+    assert whole["part ill-conditioned"].extra["ill_conditioned"] == 24
+    assert not whole["zero bound, different"].passed and whole["zero bound, equal"].passed

@@ -5,6 +5,7 @@ hints that say where the error concentrates."""
 from __future__ import annotations
 
 import json
+import math
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -298,3 +299,21 @@ def test_the_loss_alone_must_give_exact_zeros_on_q_kv_sink(leaky):
         ["loss alone: dq == 0"] if leaky else [])
     # the leak is invisible to the combined dq (out and loss backpropagated together)
     assert all(c.passed for c in checks if c.extra["quantity"] != "loss_detached")
+
+
+@pytest.mark.parametrize("elements", [1, 7, 1 << 30])
+def test_error_ratio_map_is_the_same_in_any_chunking(monkeypatch, elements):
+    import dsv4_oracle.compare as C
+    from dsv4_oracle.conformance import error_ratio_map
+    g = torch.Generator().manual_seed(3)
+    e = torch.randn(6, 2, 5, dtype=torch.float64, generator=g)
+    a = e + 1e-3 * torch.randn(e.shape, dtype=torch.float64, generator=g)
+    a[2, 1, 4] = math.nan
+    b = torch.full((5,), 1e-3, dtype=torch.float64)
+    whole = error_ratio_map(a, e, b)
+    monkeypatch.setattr(C, "_COMPARE_ELEMENTS", elements)
+    got = error_ratio_map(a, e, b)
+    assert torch.equal(got, whole) and got.shape == (6, 2) and got[2, 1] == math.inf
+    assert torch.equal(error_ratio_map(a[:, 0, 0], e[:, 0, 0], b[0]),
+                       C.error_ratios(a[:, 0, 0], e[:, 0, 0], b[0]).unsqueeze(1))
+    assert error_ratio_map(a[:0], e[:0], b).shape == (0, 2)
