@@ -174,12 +174,14 @@ def _gather_valid(table: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -
 
 
 def _gathered(q, kv, ids, valid, r0, r1, scale):
-    """Per chunk: gathered keys, masked logits, masked magnitudes ``a = |scale| |q|.|k|``."""
+    """Per chunk: gathered keys ``kg`` and their magnitudes ``|kg|``, masked logits, masked
+    magnitudes ``a = |scale| |q|.|k|`` and ``|q|`` of the chunk's rows."""
     kg = _gather_valid(kv, ids[r0:r1], valid[r0:r1])
+    kabs, qabs = kg.abs(), q[r0:r1].abs()
     v = valid[r0:r1].unsqueeze(1)
     s = (scale * torch.bmm(q[r0:r1], kg.transpose(1, 2))).masked_fill(~v, -INF)
-    a = (abs(scale) * torch.bmm(q[r0:r1].abs(), kg.abs().transpose(1, 2))).masked_fill(~v, 0.0)
-    return kg, s, a
+    a = (abs(scale) * torch.bmm(qabs, kabs.transpose(1, 2))).masked_fill(~v, 0.0)
+    return kg, kabs, qabs, s, a
 
 
 def attention_forward_bound(q, kv, ids, sink, out, lse, *, precision, scale=None, v_dim=None,
@@ -210,7 +212,7 @@ def attention_forward_bound(q, kv, ids, sink, out, lse, *, precision, scale=None
     step = rows_per_chunk(chunk_rows, 8 * K * (3 * D + 4 * H))
     for r0 in range(0, T, step):
         r1 = min(r0 + step, T)
-        kg, s, a = _gathered(q, kv, ids, valid, r0, r1, scale)
+        kg, kabs, _, s, a = _gathered(q, kv, ids, valid, r0, r1, scale)
         l = lse[r0:r1]
         empty = ~(torch.isfinite(l) & valid[r0:r1].any(dim=1, keepdim=True))    # [n, H]
         l0 = torch.where(empty, torch.zeros_like(l), l)
@@ -223,7 +225,7 @@ def attention_forward_bound(q, kv, ids, sink, out, lse, *, precision, scale=None
         sink_arg = torch.where(torch.isfinite(sink).unsqueeze(0) & ~empty,
                                p_sink * (sink.unsqueeze(0) - m_log).abs(), torch.zeros_like(l))
         rel_p = u.a * (2 * (D + 4) * m_abs + nv + 8 + sink_arg) + u.o
-        vabs = kg[:, :, :dv].abs()
+        vabs = kabs[:, :, :dv]
         pv = torch.bmm(p, vabs)                                                 # P @ |v|
         mask_v = torch.bmm(valid[r0:r1].to(F64).unsqueeze(1), vabs)             # 1 @ |v|  [n,1,Dv]
         b = (rel_p + 2 * nv * u.a).unsqueeze(-1) * pv + (u.ea + u.eo) * mask_v \
@@ -292,7 +294,7 @@ def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *
         r1 = min(r0 + step, T)
         n = r1 - r0
         v = valid[r0:r1]
-        kg, s, a = _gathered(q, kv, ids, valid, r0, r1, scale)
+        kg, kabs, qa, s, a = _gathered(q, kv, ids, valid, r0, r1, scale)
         l = lse[r0:r1]
         empty = ~(torch.isfinite(l) & v.any(dim=1, keepdim=True))
         l0 = torch.where(empty, torch.zeros_like(l), l)
@@ -303,21 +305,20 @@ def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *
         rel_p = u.a * ((D + 3) * m_abs + 3 * _finite_or_zero(full).abs() + 6) + u.o
         rel_p = rel_p.masked_fill(empty, 0.0)
         do = dout[r0:r1]
+        doa = do.abs()
         vg = kg[:, :, :dv]
         delta = (do * out[r0:r1]).sum(dim=-1)                                   # [n, H]
-        c = (do.abs() * out[r0:r1].abs()).sum(dim=-1)                           # [n, H]
+        c = (doa * out[r0:r1].abs()).sum(dim=-1)                                # [n, H]
         dp = torch.bmm(do, vg.transpose(1, 2))
-        bmag = torch.bmm(do.abs(), vg.abs().transpose(1, 2))                    # b_j [n,H,K]
+        bmag = torch.bmm(doa, kabs[:, :, :dv].transpose(1, 2))                  # b_j [n,H,K]
         ds = (p * (dp - delta.unsqueeze(-1))).abs()                             # |dS|
         e_ds = (rel_p + 2 * u.a + u.o).unsqueeze(-1) * ds \
             + u.a * dv * p * (bmag + c.unsqueeze(-1)) + u.eo * v.unsqueeze(1)
         e_delta = torch.zeros_like(delta) if out_error is None else \
-            (do.abs() * out_error[r0:r1]).sum(dim=-1).masked_fill(empty, 0.0)    # [n, H]
+            (doa * out_error[r0:r1]).sum(dim=-1).masked_fill(empty, 0.0)         # [n, H]
         e_ds = e_ds + p * e_delta.unsqueeze(-1)
         e_ds = e_ds.masked_fill(empty.unsqueeze(-1), 0.0)
-        kabs = kg.abs()
         b_dq[r0:r1] = sc * torch.bmm(e_ds, kabs) + (nv * u.a).unsqueeze(-1) * sc * torch.bmm(ds, kabs)
-        qa, doa = q[r0:r1].abs(), do.abs()
         err = sc * torch.bmm((e_ds + u.a * ds).transpose(1, 2), qa)            # [n, K, D]
         err[:, :, :dv] += torch.bmm((rel_p.unsqueeze(-1) * p).transpose(1, 2), doa)
         mag = sc * torch.bmm(ds.transpose(1, 2), qa)
@@ -568,8 +569,9 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
         nv = v.sum(dim=1, keepdim=True).to(F64)                               # [n, 1]
         kg = _gather_valid(k, ids[r0:r1], v)
         qc, wc = q[r0:r1], w[r0:r1]
+        qa, kabs = qc.abs(), kg.abs()
         z = torch.bmm(qc, kg.transpose(1, 2))                                # [n, H_I, Kc]
-        zeta = torch.bmm(qc.abs(), kg.abs().transpose(1, 2))
+        zeta = torch.bmm(qa, kabs.transpose(1, 2))
         relu = torch.relu(z)
         if mode == "clipped":
             tt, m = tau[r0:r1].clamp_min(e), v & (p_in[r0:r1] >= e)
@@ -602,11 +604,9 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
         gate = ((z > 0).to(F64) + amb).clamp_max(1.0)
         ds = g * wa3 * (z > 0).to(F64)                                       # |dS|
         e_ds = wa3 * gate * e_g + (u.a + u.o) * ds + amb * g * wa3 + u.eo * v.unsqueeze(1)
-        kabs = kg.abs()
         b_dq[r0:r1] = sc * torch.bmm(e_ds, kabs) + (nv * u.a).unsqueeze(-1) * sc * torch.bmm(ds, kabs)
         b_dw[r0:r1] = sc * (e_g * relu + g * dz + (u.a + u.o) * g * relu).sum(dim=-1) \
             + nv * u.a * sc * (g * relu).sum(dim=-1)
-        qa = qc.abs()
         err = sc * torch.bmm(e_ds.transpose(1, 2), qa)                       # [n, Kc, D_I]
         mag = sc * torch.bmm(ds.transpose(1, 2), qa)
         flat = v.reshape(-1)
