@@ -71,6 +71,20 @@ def test_production_layout(T):
         production_layout(T + 256)
 
 
+def test_production_case_builds_the_base_cases():
+    from dsv4_oracle.fixtures.production import production_case
+    by_id = {c.id: c for c in PROD}
+    for shape in ("flash", "pro"):
+        for T in PRODUCTION_ROWS:
+            assert production_case(shape, T).to_json() == by_id[f"prod-{shape}-T{T}"].to_json()
+    small = production_case("flash", 2048)
+    assert small.T == 2048 and small.id == "prod-flash-T2048" and small.heads == 64
+    with pytest.raises(ValueError, match="shape_name"):
+        production_case("ultra", 4096)
+    with pytest.raises(ValueError, match="multiple of 1024"):
+        production_case("flash", 1000)
+
+
 def test_production_cp_cases_partition():
     for c in PROD:
         if c.cp > 1:
@@ -223,7 +237,7 @@ def test_production_case_passes_on_cuda(case, production_selected):
 
 
 @pytest.mark.parametrize("argv", [["--threads", "0"], ["--compute-device", "tpu"],
-                                  ["--T", "1000"]])
+                                  ["--T", "1000"], ["--T", "x"], ["--check", "nosuch:thing"]])
 def test_bench_production_rejects_bad_arguments(argv):
     r = subprocess.run([sys.executable, "bench/bench_production.py", *argv],
                        capture_output=True, text=True)
