@@ -48,8 +48,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="case catalog (default: quick; full when --case is given; production: "
                         "the DSv4 shapes at T 4096 to 65536, in neither of the others)")
     p.add_argument("--oracle-device", metavar="DEVICE", default=None,
-                   help="run the oracle's float64 code on DEVICE (e.g. cuda) instead of the "
-                        "CPU, for the production catalog (default: the CPU, the definition)")
+                   help="run the oracle's float64 code and the numeric comparisons on DEVICE "
+                        "(e.g. cuda) instead of the CPU, for the production catalog "
+                        "(default: the CPU, the definition)")
     p.add_argument("--case", metavar="PATTERN", action="append", default=[],
                    help="case id or glob (e.g. 'sink-*'); repeatable")
     p.add_argument("--ops", default=None,
