@@ -72,7 +72,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (it is drawn on stderr only when that is a terminal)")
     p.add_argument("--list", action="store_true", help="list the selected cases and exit")
-    p.add_argument("-v", "--verbose", action="store_true", help="also print one line per case")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also print one line per case (and, without a progress bar, one "
+                        "flushed line on stderr as each case finishes)")
     p.set_defaults(func=main_check)
     return p
 
@@ -139,7 +141,7 @@ def _main_check(args) -> int:
 
     from .progress import ProgressBar, progress_enabled
     bar = ProgressBar(len(cases), enabled=progress_enabled(sys.stderr, args.no_progress),
-                      label=f"check {adapter.spec}")
+                      label=f"check {adapter.spec}", lines=args.verbose)
     try:
         result = run_check(adapter, cases, catalog=catalog, patterns=args.case,
                            replays=args.replays, ops=ops, progress=bar,

@@ -2,7 +2,9 @@
 
 It draws only when the stream is a terminal (and not with ``--no-progress``), redraws one line
 in place, and erases it when done, so that stdout (the summary table) and logs of CI runs stay
-clean. No threads: it is redrawn at the start and end of every case.
+clean. No threads: it is redrawn at the start and end of every case. Where it does not draw,
+``lines=True`` (``dsv4-oracle check -v`` writing to a file) writes one flushed line per finished
+case instead, so a long run that is cut off still leaves what it finished in its log.
 """
 from __future__ import annotations
 
@@ -30,9 +32,11 @@ def _clock(s: float) -> str:
 class ProgressBar:
     """``[#######------]  12/33  sink-mixed  0:21 elapsed ~0:35 left  1 failing``."""
 
-    def __init__(self, total: int, *, enabled: bool = True, stream=None, label: str = "check"):
+    def __init__(self, total: int, *, enabled: bool = True, stream=None, label: str = "check",
+                 lines: bool = False):
         self.total = max(int(total), 0)
         self.enabled = enabled
+        self.lines = lines and not enabled
         self.stream = sys.stderr if stream is None else stream
         self.label = label
         self.done = 0
@@ -45,6 +49,13 @@ class ProgressBar:
         if event == "done":
             self.done += 1
             self.failing += int(outcome is not None and not outcome.passed)
+            if self.lines:
+                verdict = ("ERROR" if outcome is None or outcome.error else
+                           "PASS" if outcome.passed else "FAIL")
+                took = f"  {outcome.elapsed_s:.1f} s" if outcome is not None else ""
+                self.stream.write(f"{self.label}: {self.done}/{self.total}  {case.id}  "
+                                  f"{verdict}{took}\n")
+                self.stream.flush()
         self.draw(case.id if event == "start" else "")
 
     def line(self, current: str = "") -> str:

@@ -42,3 +42,31 @@ def test_disabled_bar_writes_nothing():
     bar("done", SimpleNamespace(id="a"), SimpleNamespace(passed=True))
     bar.close()
     assert s.getvalue() == ""
+
+
+def test_lines_without_a_bar_write_one_flushed_line_per_finished_case():
+    s = io.StringIO()
+    bar = ProgressBar(3, enabled=False, stream=s, label="check x", lines=True)
+    bar("start", SimpleNamespace(id="a"), None)
+    assert s.getvalue() == ""
+    bar("done", SimpleNamespace(id="a"),
+        SimpleNamespace(passed=True, error=None, elapsed_s=1.25))
+    bar("done", SimpleNamespace(id="b"),
+        SimpleNamespace(passed=False, error=None, elapsed_s=0.5))
+    bar("done", SimpleNamespace(id="c"),
+        SimpleNamespace(passed=False, error="cannot materialize", elapsed_s=0.0))
+    bar.close()
+    assert s.getvalue().splitlines() == ["check x: 1/3  a  PASS  1.2 s",
+                                         "check x: 2/3  b  FAIL  0.5 s",
+                                         "check x: 3/3  c  ERROR  0.0 s"]
+
+
+def test_lines_are_off_when_the_bar_draws():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    s = Tty()
+    bar = ProgressBar(1, enabled=True, stream=s, lines=True)
+    bar("done", SimpleNamespace(id="a"), SimpleNamespace(passed=True, error=None, elapsed_s=1.0))
+    bar.close()
+    assert "PASS" not in s.getvalue()
