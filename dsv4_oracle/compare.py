@@ -227,7 +227,8 @@ def compare_numeric(name: str, actual, expected, bound) -> CheckResult:
         raise ValueError(f"bound of shape {tuple(b.shape)} does not broadcast to expected "
                          f"{tuple(e.shape)}") from None
     n = e.numel()
-    if n and any(bool(torch.isnan(c).any()) or bool((c < 0).any()) for c in _chunks64(b)):
+    if n and any(bool(torch.isnan(c).any()) or bool((c < 0).any())
+                 for c in (_work(b[rows]).to(_F64) for rows in row_chunks(b))):
         raise ValueError("bound must be non-negative and free of NaN")
     if tuple(a.shape) != tuple(e.shape):
         return CheckResult(name, "numeric", False, math.inf, None,
@@ -236,11 +237,8 @@ def compare_numeric(name: str, actual, expected, bound) -> CheckResult:
     if n == 0:
         return not_judged(name, "numeric", "empty tensor, nothing to compare", numel=0)
     s = _NumericScan()
-    per_row = e[0].numel() if e.dim() else 1
-    for r0, r1 in row_chunks(e):
-        rows = slice(r0, r1) if e.dim() else Ellipsis
-        s.add(r0 * per_row, _work(a[rows]).to(_F64), _work(e[rows]).to(_F64),
-              _work(b_full[rows]).to(_F64))
+    for rows in row_chunks(e):
+        s.add(_work(a[rows]).to(_F64), _work(e[rows]).to(_F64), _work(b_full[rows]).to(_F64))
     if s.nbad:
         # 1. the non-finite positions (-inf, +inf, NaN) must be identical: an exact check
         i = s.first_bad
@@ -276,22 +274,16 @@ _COMPARE_ELEMENTS = 1 << 24     # elements per chunk of a numeric comparison
 
 
 def row_chunks(t: torch.Tensor):
-    """``(r0, r1)`` slices of ``t``'s first dimension of about ``_COMPARE_ELEMENTS`` elements
-    each (one slice for a 0-d tensor): a comparison's float64 temporaries stay a few chunks in
-    size whatever the tensor's size."""
+    """Indices of consecutive pieces of ``t`` along its first dimension, about
+    ``_COMPARE_ELEMENTS`` elements each (``t[index]`` for each; ``...``, the whole tensor, for
+    a 0-d one): a comparison's float64 temporaries stay a few chunks in size whatever the
+    tensor's size."""
     if t.dim() == 0:
-        yield 0, None
+        yield ...
         return
-    per_row = max(1, t[0].numel()) if t.shape[0] else 1
-    step = max(1, _COMPARE_ELEMENTS // per_row)
+    step = max(1, _COMPARE_ELEMENTS // max(1, t[0].numel() if t.shape[0] else 1))
     for r0 in range(0, t.shape[0], step):
-        yield r0, min(r0 + step, t.shape[0])
-
-
-def _chunks64(t: torch.Tensor):
-    """``t`` in row chunks (:func:`row_chunks`), each float64 on the comparison device."""
-    for r0, r1 in row_chunks(t):
-        yield _work(t[r0:r1] if t.dim() else t).to(_F64)
+        yield slice(r0, min(r0 + step, t.shape[0]))
 
 
 def _element(t: torch.Tensor, idx: list) -> float:
@@ -307,6 +299,7 @@ class _NumericScan:
     counts add, a maximum's first index is the first chunk's that reaches it."""
 
     def __init__(self):
+        self.seen = 0                    # elements scanned so far: the next chunk's offset
         self.nbad, self.first_bad = 0, None
         self.max_error = 0.0
         self.over = self.n_ill = 0
@@ -317,8 +310,9 @@ class _NumericScan:
     def _better(cur, value, index):
         return (value, index) if value > cur[0] else cur
 
-    def add(self, off: int, a64, e64, b64):
-        """One chunk: float64 tensors of one shape, ``off`` its first element's flat index."""
+    def add(self, a64, e64, b64):
+        """The next chunk in row-major order: float64 tensors of one shape."""
+        off, self.seen = self.seen, self.seen + e64.numel()
         sa, se = _nonfinite_code(a64), _nonfinite_code(e64)
         bad = (sa != se).reshape(-1)
         nbad = int(bad.sum())

@@ -398,14 +398,14 @@ def error_ratio_map(actual, expected, bound) -> torch.Tensor:
     actual, expected = actual.detach(), expected.detach()
     bound = torch.broadcast_to(bound.detach(), expected.shape)
 
-    def rows(r0, r1):
-        r = error_ratios(actual[r0:r1], expected[r0:r1], bound[r0:r1])
+    def per_row(rows):
+        r = error_ratios(actual[rows], expected[rows], bound[rows])
         if r.dim() <= 2:
             return r.unsqueeze(1) if r.dim() == 1 else r
         return r.flatten(2).amax(dim=2) if math.prod(r.shape[2:]) else \
             torch.zeros(r.shape[:2], dtype=F64, device=r.device)
-    parts = [rows(r0, r1) for r0, r1 in row_chunks(expected)]
-    return torch.cat(parts) if parts else rows(0, 0)
+    parts = [per_row(rows) for rows in row_chunks(expected)]
+    return torch.cat(parts) if parts else per_row(slice(0, 0))
 
 
 class _Judging:

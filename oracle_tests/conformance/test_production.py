@@ -76,9 +76,19 @@ def test_production_case_builds_the_base_cases():
     by_id = {c.id: c for c in PROD}
     for shape in ("flash", "pro"):
         for T in PRODUCTION_ROWS:
-            assert production_case(shape, T).to_json() == by_id[f"prod-{shape}-T{T}"].to_json()
+            c = production_case(shape, T)
+            assert c.to_json() == by_id[f"prod-{shape}-T{T}"].to_json()
+            assert c.sink == "normal" and c.cp == 1 and c.T == T
+            assert (tuple(c.cu_seqlens), tuple(c.cu_seqlens_padded)) == \
+                (production_layout(T)["cu_seqlens"], production_layout(T)["cu_seqlens_padded"])
+            assert {"padding", "empty_docs", "capacity_rows", f"dsv4_{shape}"} <= \
+                set(c.categories)
+            # the one copy of the 32-bit-offset rule: Flash at 65536, Pro from 16384
+            big = (shape, T) in {("flash", 65536), ("pro", 16384), ("pro", 65536)}
+            assert ("index_hazards" in c.categories) == big, (shape, T)
     small = production_case("flash", 2048)
     assert small.T == 2048 and small.id == "prod-flash-T2048" and small.heads == 64
+    assert "index_hazards" not in small.categories
     with pytest.raises(ValueError, match="shape_name"):
         production_case("ultra", 4096)
     with pytest.raises(ValueError, match="multiple of 1024"):
