@@ -46,8 +46,8 @@ from .attention import _inputs as _attention_inputs
 from .attention import valid_slots
 from .indexer import _inputs as _indexer_inputs
 from .constants import GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
-from .indexer_loss import (IndexerLoss, _loss_grad_inputs, _loss_grad_options, _loss_inputs,
-                           head_normalisers, teacher_rows)
+from .indexer_loss import (LOG_SOFTMAX_TEACHER_FLOOR, IndexerLoss, _loss_grad_inputs,
+                           _loss_grad_options, _loss_inputs, _row_gs, head_normalisers, teacher_rows)
 from .layout import PackedLayout
 
 __all__ = [
@@ -415,7 +415,7 @@ def _softmax_rel(logits: torch.Tensor, mask: torch.Tensor, u: _Units) -> torch.T
 
 def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, result, *,
                        coeff, precision, scale=None, num_real=None, loss_floor=LOSS_FLOOR,
-                       chunk_rows=None):
+                       kl_form="clipped", lse_error=None, chunk_rows=None):
     """Section 12 bound for the section 8 loss: an :class:`IndexerLossBound` for ``result``
     (the oracle's :func:`sparse_indexer_loss` on the same inputs; ``lse`` and ``index_scores``
     are the values the implementation consumed).
@@ -437,7 +437,15 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
     ``_softmax_rel``) plus ``u_s``. KL (``tau_ = max(tau, f)``, ``p_ = max(p, f)``,
     ``L = log tau_ - log p_``): ``sum_c |L + 1| E_tau + (tau_/p_) E_p + u_a tau_ (|log tau_| +
     |log p_| + 2 |L| + 4) + n u_a sum_c tau_ |L| + u_s |KL| + eta_s``. Loss:
-    ``|coeff|/N (sum_t E_KL + u_a T_sel sum_t |KL|) + (2 u_a + u_s) |loss| + eta_s``.
+    ``|coeff|/N (sum_t E_KL + u_a T_sel sum_t |KL|) + (2 u_a + u_s) |loss| + eta_s`` (per-row
+    divisors ``N_t``: each row's terms divided by its own).
+
+    Policies (section 5.2): ``kl_form="log_softmax"`` (``tau (log max(tau, 1e-10) - l_c)``,
+    ``l`` the student's exact log-softmax) takes ``tau_ = tau``, ``log tau_ = log max(tau,
+    1e-10)``, ``log p_ = l`` and charges ``tau E_l`` for the student, ``E_l`` the softmax's
+    relative error; ``lse_error`` (``[T,H]``): for a teacher whose per-head normaliser the
+    implementation computes itself (the dense teacher: ``lse`` is then the oracle's), a bound on
+    that normaliser's error, added to ``E_LSEf``.
     """
     u = _units(precision)
     if not isinstance(layout, PackedLayout):
@@ -447,9 +455,12 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
                         f"{type(result).__name__}")
     q, kc, sink, lse, ids, scores, coeff, scale, floor, n_real = _loss_inputs(
         q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, coeff, scale, num_real,
-        loss_floor)
+        loss_floor, kl_form)
     T, H, D = q.shape
     C, Kc = kc.shape[0], ids.shape[1]
+    if lse_error is not None:
+        lse_error = as_float64(lse_error, "lse_error", ndim=2)
+        _same_shape(lse_error, "lse_error", (T, H))
     tau_all = as_float64(result.target, "result.target", ndim=2)
     p_all = as_float64(result.predict, "result.predict", ndim=2)
     kl_all = as_float64(result.kl, "result.kl", ndim=1)
@@ -471,6 +482,8 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
     d = _finite_or_zero((lse - sink.unsqueeze(0)).abs())
     ell = torch.log1p(torch.exp(-d))
     e_full = u.a * (torch.sigmoid(-d) * d + 4) + torch.minimum(u.a * _finite_or_zero(full).abs(), ell)
+    if lse_error is not None:
+        e_full = e_full + _finite_or_zero(lse_error)
     scores_z = scores if C else scores.new_zeros((T, 1))    # C = 0: every slot is invalid
     b_tau = torch.zeros((T, Kc), dtype=F64)
     b_p = torch.zeros((T, Kc), dtype=F64)
@@ -503,10 +516,19 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
         logits = torch.gather(scores_z[r0:r1], 1, safe[r0:r1])
         e_p = torch.where(sel, (_softmax_rel(logits, sel, u) + u.s) * p + u.ea + u.es,
                           torch.zeros_like(p))
-        tb, pb = tau.clamp_min(floor), p.clamp_min(floor)
-        lt, lp = torch.log(tb), torch.log(pb)
+        if kl_form == "log_softmax":
+            tb = tau
+            lt = torch.log(tau.clamp_min(LOG_SOFTMAX_TEACHER_FLOOR))
+            x = logits.masked_fill(~sel, -INF)
+            lp = torch.where(sel, x - _finite_or_zero(torch.logsumexp(x, dim=1, keepdim=True)),
+                             torch.zeros_like(x))
+            stud = tau * (_softmax_rel(logits, sel, u) + u.s)
+        else:
+            tb, pb = tau.clamp_min(floor), p.clamp_min(floor)
+            lt, lp = torch.log(tb), torch.log(pb)
+            stud = tb / pb * e_p
         L = lt - lp
-        terms = (L + 1).abs() * e_tau + tb / pb * e_p + u.a * tb * (lt.abs() + lp.abs() + 2 * L.abs() + 4)
+        terms = (L + 1).abs() * e_tau + stud + u.a * tb * (lt.abs() + lp.abs() + 2 * L.abs() + 4)
         terms = torch.where(mv, terms, torch.zeros_like(terms))
         mag = torch.where(mv, tb * L.abs(), torch.zeros_like(L))
         e_kl = terms.sum(dim=1) + u.a * nv.squeeze(1) * mag.sum(dim=1)
@@ -515,15 +537,19 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
         b_tau[r0:r1] = e_tau
         b_p[r0:r1] = e_p
     n_sel = float((b_kl > 0).sum())
-    b_loss = abs(coeff) / n_real * (b_kl.sum() + u.a * n_sel * kl_all.abs().sum()) \
-        + (2 * u.a + u.s) * loss.abs() + u.es
+    if isinstance(n_real, torch.Tensor):
+        per = torch.where(torch.isfinite(n_real), 1.0 / n_real, torch.zeros_like(n_real))
+        b_loss = abs(coeff) * ((b_kl * per).sum() + u.a * n_sel * (kl_all.abs() * per).sum())
+    else:
+        b_loss = abs(coeff) / n_real * (b_kl.sum() + u.a * n_sel * kl_all.abs().sum())
+    b_loss = b_loss + (2 * u.a + u.s) * loss.abs() + u.es
     return IndexerLossBound(b_loss, b_kl, b_tau, b_p)
 
 
 def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predict, dq_idx, dw,
                             dk_idx, *, coeff, num_real, precision, grad_loss=1.0, scale=None,
                             grad_floor=GRAD_FLOOR, mode="clipped", loss_floor=LOSS_FLOOR,
-                            chunk_rows=None):
+                            kl_form="clipped", chunk_rows=None):
     """Section 12 bound for the section 8 indexer gradients: ``(bound_dq_idx [T,H_I,D_I],
     bound_dw [T,H_I], bound_dk_idx [C,D_I])`` for the oracle's
     :func:`sparse_indexer_loss_grad` outputs ``dq_idx``, ``dw``, ``dk_idx`` on the same inputs.
@@ -531,7 +557,8 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
     ``gI = gs (p S - tau~ m)``, ``S = sum_c tau~_c m_c``; ``E_g = |gs| u_a ((n+2) p S + tau~ m
     + 4 |p S - tau~ m|)`` (clipped mode: ``target`` and ``predict`` consumed exactly; autograd
     mode: plus ``|gs| S E_p`` for ``p`` recomputed from the logits, whose error is the
-    section 7 bound). The strict gate ``z > 0`` is *ambiguous* where ``|z| <= u_a (D_I+1)
+    section 7 bound; ``exact`` mode: the clipped form with ``tau~ = tau`` and ``m`` every
+    valid slot; per-row divisors ``N_t``: ``gs`` per row). The strict gate ``z > 0`` is *ambiguous* where ``|z| <= u_a (D_I+1)
     zeta``: there the whole term may appear or vanish, and ``|g w|`` is added to ``E_dS``.
     ``E_dS = |w| 1[z > 0 or ambiguous] E_g + (u_a + u_o) |dS| + amb |g w| + eta_o``;
     ``bound_dq = |scale| sum_c E_dS |k_c| + n u_a |scale| sum_c |dS| |k_c| + (u_a + u_o) |dq| + eta_o``;
@@ -550,10 +577,11 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
     _same_shape(dq, "dq_idx", (T, HI, DI))
     _same_shape(dw_, "dw", (T, HI))
     _same_shape(dk, "dk_idx", (C, DI))
-    coeff, n_real, grad_loss, scale, e, floor, mode = _loss_grad_options(
-        coeff, num_real, grad_loss, scale, grad_floor, loss_floor, mode, DI)
+    coeff, n_real, grad_loss, scale, e, floor, mode, kl_form = _loss_grad_options(
+        coeff, num_real, grad_loss, scale, grad_floor, loss_floor, mode, DI, T, kl_form)
     sc = abs(scale)
-    gs = abs(coeff / n_real * grad_loss)
+    gs_all = _row_gs(coeff, n_real, grad_loss, T)
+    gs_all = gs_all.abs() if isinstance(gs_all, torch.Tensor) else abs(gs_all)
     valid = (ids >= 0) & (ids < C)
     valid = valid & teacher_rows(tau, valid)   # rows without teacher mass: exact zero gradients
     b_dq = torch.zeros_like(dq)
@@ -573,8 +601,12 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
         z = torch.bmm(qc, kg.transpose(1, 2))                                # [n, H_I, Kc]
         zeta = torch.bmm(qa, kabs.transpose(1, 2))
         relu = torch.relu(z)
+        gs = gs_all[r0:r1] if isinstance(gs_all, torch.Tensor) else gs_all
         if mode == "clipped":
             tt, m = tau[r0:r1].clamp_min(e), v & (p_in[r0:r1] >= e)
+            p = p_in[r0:r1]
+        elif mode == "exact":
+            tt, m = tau[r0:r1], v
             p = p_in[r0:r1]
         else:
             logits = sc * torch.bmm(wc.unsqueeze(1), relu).squeeze(1) * (1 if scale >= 0 else -1)
@@ -582,7 +614,10 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
             mx = _finite_or_zero(x.amax(dim=1, keepdim=True))
             ex = torch.exp(x - mx)
             p = ex / ex.sum(dim=1, keepdim=True).clamp_min(1e-300)
-            tt, m = tau[r0:r1].clamp_min(floor), v & (p > floor)
+            if kl_form == "log_softmax":
+                tt, m = tau[r0:r1], v
+            else:
+                tt, m = tau[r0:r1].clamp_min(floor), v & (p > floor)
         tm = torch.where(m, tt, torch.zeros_like(tt))
         S = tm.sum(dim=1, keepdim=True)
         ghat = p * S - tm

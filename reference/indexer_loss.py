@@ -14,9 +14,15 @@ from ._reduce import (_round_up, carve, fold_slot_rows_into, ordered_sum, row_bm
 from .constants import CHUNK_BYTES, GRAD_FLOOR, LOSS_FLOOR, SLOT_MULTIPLE
 from .layout import PackedLayout
 
-__all__ = ["IndexerLoss", "head_normalisers", "sparse_indexer_loss", "sparse_indexer_loss_grad"]
+__all__ = ["IndexerLoss", "KL_FORMS", "GRAD_MODES", "head_normalisers", "loss_normalisers",
+           "sparse_indexer_loss", "sparse_indexer_loss_grad"]
 
 INF = math.inf
+# section 8 and its policies (5.2): the per-row KL and the gradient wrt the indexer logits
+KL_FORMS = ("clipped", "log_softmax")
+GRAD_MODES = ("clipped", "autograd", "exact")
+# the teacher floor of the "log_softmax" KL form: tau (log max(tau, 1e-10) - log_softmax)
+LOG_SOFTMAX_TEACHER_FLOOR = 1e-10
 
 
 class IndexerLoss(NamedTuple):
@@ -26,7 +32,7 @@ class IndexerLoss(NamedTuple):
     kl: torch.Tensor        # [T]: per-row KL (0 on padding rows and rows with no selection)
     target: torch.Tensor    # [T, Kc]: teacher tau on valid slots, 0 elsewhere
     predict: torch.Tensor   # [T, Kc]: student p on valid slots, 0 elsewhere
-    num_real: int           # N used for the normalisation
+    num_real: object        # N used for the normalisation: an int, or per-row divisors [T]
 
 
 def _slot_mask(ids: torch.Tensor, num: int) -> torch.Tensor:
@@ -69,14 +75,93 @@ def head_normalisers(lse: torch.Tensor, sink: torch.Tensor):
     return norm, has.squeeze(1)
 
 
-def _kl(tau, p, mask, floor):
-    a = torch.clamp_min(tau, floor)
-    terms = a * (torch.log(a) - torch.log(torch.clamp_min(p, floor)))
+def _kl(tau, p, mask, floor, form="clipped", log_p=None):
+    """Per-row KL over ``mask``: ``form="clipped"``: ``sum max(tau, f) (log max(tau, f) -
+    log max(p, f))``; ``"log_softmax"``: ``sum tau (log max(tau, 1e-10) - log_p)`` with the
+    student's exact log-softmax ``log_p``."""
+    if form == "log_softmax":
+        terms = tau * (torch.log(torch.clamp_min(tau, LOG_SOFTMAX_TEACHER_FLOOR)) - log_p)
+    else:
+        a = torch.clamp_min(tau, floor)
+        terms = a * (torch.log(a) - torch.log(torch.clamp_min(p, floor)))
     return torch.where(mask, terms, torch.zeros_like(terms)).sum(dim=-1)
 
 
+def _masked_log_softmax(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``log_softmax`` over the last dim restricted to ``mask`` (exact in the log domain, never
+    ``log`` of an underflowed ``p``); 0 off the mask and on rows with no finite entry."""
+    x = x.masked_fill(~mask, -INF)
+    lam = torch.logsumexp(x, dim=-1, keepdim=True)
+    lam = torch.where(torch.isfinite(lam), lam, torch.zeros_like(lam))
+    return torch.where(mask, x - lam, torch.zeros_like(x))
+
+
+def _normaliser(num_real, layout_real: int | None, T: int):
+    """Section 8 (and policy ``loss_norm``, 5.2): ``N`` as an int >= 1 (every row's KL divided
+    by it), or per-row divisors, a 1-D tensor of ``T`` positive values (``+inf``: the row does
+    not count). ``None``: ``layout_real`` (the layout's real tokens)."""
+    if isinstance(num_real, torch.Tensor) and num_real.dim() == 1:
+        d = as_float64(num_real, "num_real", ndim=1, allow_nan=False)
+        check_dim(d, "num_real", 0, T, "rows T")
+        if bool((d <= 0).any()):
+            raise ValueError("num_real: per-row divisors must be > 0 (+inf: the row does not "
+                             "count)")
+        return d
+    if num_real is None:
+        if layout_real is None or layout_real < 1:
+            raise ValueError("num_real: the layout has no real tokens; N must be >= 1")
+        return layout_real
+    return as_int(num_real, "num_real", minimum=1)
+
+
+def _divided(x: torch.Tensor, n) -> torch.Tensor:
+    """``x [T, ...] / N`` per row (``N`` an int or per-row divisors ``[T]``)."""
+    if isinstance(n, torch.Tensor):
+        return x / n.view((-1,) + (1,) * (x.dim() - 1))
+    return x / n
+
+
+def loss_normalisers(layout, loss_norm: str = "real", *, padding_rows: str = "sink_only",
+                     cp: int = 1, cp_mode: str = "contiguous"):
+    """Section 8 and its policies ``loss_norm`` and ``padding_rows`` (5.2): the ``num_real``
+    argument of :func:`sparse_indexer_loss` and :func:`sparse_indexer_loss_grad` for
+    ``layout`` (the batch's own layout, whose padding rows are not real).
+
+    - ``"real"``: the real tokens ``N`` (an int); with ``padding_rows="attend"`` (padding rows
+      then carry a KL) per-row divisors, ``N`` on real rows and ``+inf`` (not counted) elsewhere;
+    - ``"rows"``: every row of the micro-batch, ``T`` (an int);
+    - ``"rank_mean"``: the mean over the ``cp`` ranks (:func:`reference.cp_partition`) of each
+      rank's KL sum over its real rows divided by its real tokens: per-row divisors
+      ``cp * N_r`` on the real rows of rank ``r``, ``+inf`` elsewhere.
+    """
+    from .cp import cp_partition
+    if not isinstance(layout, PackedLayout):
+        raise TypeError(f"layout must be a PackedLayout, got {type(layout).__name__}")
+    loss_norm = choice(loss_norm, "loss_norm", ("real", "rows", "rank_mean"))
+    padding_rows = choice(padding_rows, "padding_rows", ("sink_only", "attend"))
+    T, real = layout.num_rows, layout.is_real
+    if loss_norm == "rows":
+        return max(T, 1)
+    if loss_norm == "real":
+        if padding_rows == "sink_only":
+            return _normaliser(None, layout.num_real, T)
+        n = _normaliser(None, layout.num_real, T)
+        return torch.where(real, torch.full((T,), float(n), dtype=torch.float64),
+                           torch.full((T,), INF, dtype=torch.float64))
+    d = torch.full((T,), INF, dtype=torch.float64)
+    parts = cp_partition(layout, cp, mode=cp_mode)
+    for rows in parts:
+        n_r = int(real[rows].sum())
+        if n_r:
+            d[rows] = torch.where(real[rows], torch.full((rows.numel(),), float(len(parts) * n_r),
+                                                         dtype=torch.float64), d[rows])
+    if not bool(torch.isfinite(d).any()):
+        raise ValueError("num_real: the layout has no real tokens; N must be >= 1")
+    return d
+
+
 def _loss_inputs(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, coeff, scale,
-                 num_real, loss_floor):
+                 num_real, loss_floor, kl_form="clipped"):
     """Section 8 loss arguments, validated and converted (shared with the section 12 bound)."""
     if not isinstance(layout, PackedLayout):
         raise TypeError(f"layout must be a PackedLayout, got {type(layout).__name__}")
@@ -100,9 +185,8 @@ def _loss_inputs(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, coe
     coeff = as_real(coeff, "coeff")
     scale = D ** -0.5 if scale is None else as_real(scale, "scale")
     floor = as_real(loss_floor, "loss_floor", positive=True)
-    n_real = layout.num_real if num_real is None else as_int(num_real, "num_real", minimum=1)
-    if n_real < 1:
-        raise ValueError("num_real: the layout has no real tokens; N must be >= 1")
+    choice(kl_form, "kl_form", KL_FORMS)
+    n_real = _normaliser(num_real, layout.num_real, T)
     if bool((lse == -INF).any()):
         raise ValueError("lse contains -inf; a KV-only lse (section 6) is the log of a positive "
                          "sum, or +inf on a row without keys")
@@ -117,7 +201,8 @@ def _loss_inputs(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, coe
 
 
 def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, *, coeff,
-                        scale=None, num_real=None, loss_floor=LOSS_FLOOR, chunk_rows=None):
+                        scale=None, num_real=None, loss_floor=LOSS_FLOOR, kl_form="clipped",
+                        chunk_rows=None):
     """Section 8: the sparse indexer KL loss.
 
     ``q [T,H,D]`` and ``lse [T,H]`` (KV-only, natural log, from the attention forward over all
@@ -130,7 +215,11 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
     ``LSEf = +inf`` (a ``+inf`` sink) has ``A = 0`` and the other heads carry the teacher; a
     row whose every head is silenced has teacher mass zero: ``tau = 0``, ``KL = 0``, and its
     ``predict`` is the student softmax as on any other row. Padding rows count 0; ``N``
-    defaults to ``layout.num_real``. The row sum is a left fold in row order.
+    defaults to ``layout.num_real`` (``num_real``: an int, or per-row divisors ``[T]`` from
+    :func:`loss_normalisers` for the ``loss_norm`` policies of section 5.2). ``kl_form``:
+    ``"clipped"`` (section 8) or ``"log_softmax"`` (policy ``kl_form``: ``tau (log max(tau,
+    1e-10) - log_softmax(I))``, the student's log exact). The row sum is a left fold in row
+    order.
 
     Raises ``ValueError`` for NaN in ``sink``, ``lse`` or ``index_scores``, ``-inf`` in ``lse``
     and ``+inf`` index scores at selected slots (the student is undefined there).
@@ -138,7 +227,7 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
     # The teacher is detached (section 8): no gradient reaches q, kv_cmp, the sink or lse.
     q, kc, sink, lse, ids, scores, coeff, scale, floor, n_real = _loss_inputs(
         q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, coeff, scale, num_real,
-        loss_floor)
+        loss_floor, kl_form)
     q, kc, sink, lse = (t.detach() for t in (q, kc, sink, lse))
     T, H, D = q.shape
     C, Kc = kc.shape[0], ids.shape[1]
@@ -176,9 +265,12 @@ def sparse_indexer_loss(q, kv_cmp, sink, lse, compressed_ids, index_scores, layo
     # The student (differentiable wrt index_scores) and the KL, per row over the Kc slots.
     # The student is the softmax over every selected slot, with or without teacher mass.
     sc = scores if C else scores.new_zeros((T, 1))  # C = 0: every slot is invalid
-    predict = _masked_softmax(torch.gather(sc, 1, safe), valid)
-    kl = _kl(target, predict, valid & row_mass, floor)
-    loss = coeff * ordered_sum(kl) / n_real
+    logits = torch.gather(sc, 1, safe)
+    predict = _masked_softmax(logits, valid)
+    log_p = _masked_log_softmax(logits, valid) if kl_form == "log_softmax" else None
+    kl = _kl(target, predict, valid & row_mass, floor, kl_form, log_p)
+    loss = coeff * (ordered_sum(_divided(kl, n_real)) if isinstance(n_real, torch.Tensor)
+                    else ordered_sum(kl) / n_real)
     return IndexerLoss(loss, kl, target, predict, n_real)
 
 
@@ -226,30 +318,42 @@ def teacher_rows(target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return (valid & (target > 0)).any(dim=1, keepdim=True)
 
 
-def _loss_grad_options(coeff, num_real, grad_loss, scale, grad_floor, loss_floor, mode, DI):
+def _loss_grad_options(coeff, num_real, grad_loss, scale, grad_floor, loss_floor, mode, DI, T,
+                       kl_form="clipped"):
     """Section 8 gradient options, checked by name (shared with the section 12 bound):
-    ``(coeff, num_real, grad_loss, scale, grad_floor, loss_floor, mode)``, ``scale`` defaulting
-    to ``D_I^-1/2``."""
-    return (as_real(coeff, "coeff"), as_int(num_real, "num_real", minimum=1),
+    ``(coeff, num_real, grad_loss, scale, grad_floor, loss_floor, mode, kl_form)``, ``scale``
+    defaulting to ``D_I^-1/2``, ``num_real`` an int or per-row divisors ``[T]``."""
+    return (as_real(coeff, "coeff"), _normaliser(num_real, None, T),
             as_real(grad_loss, "grad_loss"),
             DI ** -0.5 if scale is None else as_real(scale, "scale"),
             as_real(grad_floor, "grad_floor", positive=True),
             as_real(loss_floor, "loss_floor", positive=True),
-            choice(mode, "mode", ("clipped", "autograd")))
+            choice(mode, "mode", GRAD_MODES), choice(kl_form, "kl_form", KL_FORMS))
+
+
+def _row_gs(coeff, n_real, grad_loss, T):
+    """``gs = coeff / N * grad_loss``: a float, or per row ``[T, 1]`` for per-row divisors."""
+    if isinstance(n_real, torch.Tensor):
+        return (coeff * grad_loss / n_real).view(T, 1)
+    return coeff / n_real * grad_loss
 
 
 def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, predict, *, coeff,
                              num_real, grad_loss=1.0, scale=None, grad_floor=GRAD_FLOOR,
-                             mode="clipped", loss_floor=LOSS_FLOOR, chunk_rows=None):
+                             mode="clipped", loss_floor=LOSS_FLOOR, kl_form="clipped",
+                             chunk_rows=None):
     """Section 8: gradients of the indexer loss wrt ``q_idx [T,H_I,D_I]``, ``weights [T,H_I]``
     and ``k_idx [C,D_I]``. Returns float64 ``(dq_idx, dw, dk_idx)``.
 
     ``mode="clipped"`` (the cuDNN kernels' form): with ``gs = coeff/N * grad_loss``,
     ``tau~ = max(tau, e)``, ``m_c = 1[p_c >= e]``,
     ``gI = gs * (p * sum_c' tau~_c' m_c' - tau~ * m)`` on valid slots, from the given ``target``
-    and ``predict``. ``mode="autograd"``: the exact derivative of the loss of
-    :func:`sparse_indexer_loss` (floor ``loss_floor``), by torch autograd through the indexer
-    logits recomputed from ``q_idx``, ``k_idx`` and ``weights`` (``predict`` is not used).
+    and ``predict``. ``mode="exact"`` (policy ``index_grad``, 5.2): the same with no floor,
+    ``gI = gs (p sum_c' tau_c' - tau_c)`` (``p - tau`` on rows with teacher mass).
+    ``mode="autograd"``: the exact derivative of the loss of :func:`sparse_indexer_loss`
+    (floor ``loss_floor``, KL form ``kl_form``), by torch autograd through the indexer logits
+    recomputed from ``q_idx``, ``k_idx`` and ``weights`` (``predict`` is not used).
+    ``num_real``: ``N`` (an int) or per-row divisors ``[T]`` (:func:`loss_normalisers`).
     Both chain through the indexer with the strict gate ``z > 0``; ``dk_idx`` is a left fold in
     (row, slot) order. A row whose ``target`` is 0 on every valid slot (teacher mass zero:
     every head silenced) gets zero gradients. ``target`` and ``predict`` must be >= 0 (else
@@ -259,23 +363,30 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
                                                 predict)
     T, HI, DI = q.shape
     C, Kc = k.shape[0], ids.shape[1]
-    coeff, n_real, grad_loss, scale, e, floor, mode = _loss_grad_options(
-        coeff, num_real, grad_loss, scale, grad_floor, loss_floor, mode, DI)
+    coeff, n_real, grad_loss, scale, e, floor, mode, kl_form = _loss_grad_options(
+        coeff, num_real, grad_loss, scale, grad_floor, loss_floor, mode, DI, T, kl_form)
     valid = _slot_mask(ids, C)
     valid = valid & teacher_rows(tau, valid)         # rows without teacher mass: no gradient
-    gs = coeff / n_real * grad_loss
+    gs = _row_gs(coeff, n_real, grad_loss, T)
 
     if mode == "autograd":
         with torch.enable_grad():
             qa, wa, ka = (x.detach().requires_grad_(True) for x in (q, w, k))
             _, _, logits = _indexer_logits(qa, ka, wa, ids, valid, scale)
             p = _masked_softmax(logits, valid)
-            loss = coeff * _kl(tau, p, valid, floor).sum() / n_real * grad_loss
+            log_p = _masked_log_softmax(logits, valid) if kl_form == "log_softmax" else None
+            kl = _kl(tau, p, valid, floor, kl_form, log_p)
+            loss = (coeff * _divided(kl, n_real).sum() * grad_loss
+                    if isinstance(n_real, torch.Tensor) else
+                    coeff * kl.sum() / n_real * grad_loss)
             dq, dw, dk = torch.autograd.grad(loss, (qa, wa, ka), allow_unused=True)
         return dq, dw, dk
 
-    tt = torch.clamp_min(tau, e)
-    m = valid & (p_in >= e)
+    if mode == "exact":
+        tt, m = tau, valid
+    else:
+        tt = torch.clamp_min(tau, e)
+        m = valid & (p_in >= e)
     tm = torch.where(m, tt, torch.zeros_like(tt))
     g = gs * (p_in * tm.sum(dim=1, keepdim=True) - tm)
     g = torch.where(valid, g, torch.zeros_like(g))                        # gI [T, Kc]

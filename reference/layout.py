@@ -134,6 +134,26 @@ class PackedLayout:
         vis = torch.minimum((self.pos + 1) // ratio, n[safe_doc] if n.numel() else self.pos * 0)
         return torch.where(self.is_real, vis, torch.zeros_like(vis))
 
+    def visible_compressed_ids(self, ratio: int) -> torch.Tensor:
+        """Section 3: int64 ``[T, C]``, entry ``[t, c] = c`` when compressed group ``c`` is
+        visible to row ``t``, else ``-1`` (the key set of the dense teacher, policy ``teacher``
+        of section 5.2: slot ``c`` is compressed id ``c``)."""
+        C = self.num_compressed(ratio)
+        cu_comp = self.compressed_offsets(ratio)
+        first = cu_comp[self.doc.clamp_min(0)] if cu_comp.numel() > 1 else self.doc * 0
+        cols = torch.arange(C).unsqueeze(0)
+        lo = first.unsqueeze(1)
+        seen = (cols >= lo) & (cols < lo + self.visible_compressed(ratio).unsqueeze(1))
+        return torch.where(seen, cols.expand(self.num_rows, C), torch.full_like(seen, -1,
+                                                                                dtype=torch.int64))
+
+    def padding_as_real(self) -> "PackedLayout":
+        """The layout with every padding row real (``cu_seqlens = cu_seqlens_padded``): what a
+        padding row sees under the policy ``padding_rows="attend"`` (section 5.2). Capacity rows
+        stay outside every document."""
+        return PackedLayout(self._cpu["cu_seqlens_padded"], self._cpu["cu_seqlens_padded"],
+                            self.num_rows)
+
     def doc_start(self) -> torch.Tensor:
         """Per row, the first physical row of its document (the row itself for capacity rows)."""
         rows = torch.arange(self.num_rows, device=self.doc.device)
