@@ -12,7 +12,11 @@ tuple of op names the adapter claims; each must be callable), ``unavailable()`` 
 a one-line reason why the adapter cannot run on this machine) and ``backward_convention``
 (``"given"`` or ``"recomputed"``: the attention backward's ``Delta = <dO, out>`` uses the ``out``
 it is handed, or its own recomputed forward's; contract section 6 allows both, and without the
-attribute the checker accepts whichever holds and reports it).
+attribute the checker measures which one the backward follows) and ``policies`` (a mapping
+policy name -> value: the named policies of contract section 5.2 the implementation follows,
+e.g. ``{"loss_norm": "rows", "topk_ties": "any"}``; the oracle is evaluated under them, every
+other policy takes the contract's default, and the verdict states each non-default policy it
+assumed; ``check --policy`` overrides the declaration).
 
 An adapter may implement any subset: the runner feeds every op the oracle's result for the ops
 the adapter lacks (rounded as a kernel would store it) and judges only what the adapter
@@ -45,6 +49,7 @@ from typing import Any, Callable
 import torch
 
 from dsv4_oracle.reference.error_model import ORACLE_PRECISION, Precision
+from dsv4_oracle.reference.contract_policies import resolve_policies
 
 from .invoke import describe
 from .protocol import ALL_OPS, LAYER_OP, OPS
@@ -110,6 +115,13 @@ class Adapter:
         self.device = str(device if device is not None else attr("device", "cpu"))
         self._precision = precision if precision is not None else attr("precision")
         self._forced_default = False
+        declared_policies = attr("policies")
+        try:
+            resolve_policies(declared_policies, "policies")
+        except (TypeError, ValueError) as exc:
+            raise AdapterError(f"adapter {self.spec}: {exc}") from None
+        self._declared_policies = dict(declared_policies or {})
+        self._policy_override: dict | None = None
         if isinstance(self._precision, Mapping):
             unknown = [o for o in self._precision if o not in ALL_OPS]
             if unknown:
@@ -152,6 +164,28 @@ class Adapter:
         (``check --precision default``)."""
         self._precision = None
         self._forced_default = True
+
+    def set_policies(self, policies, *, forget_declared: bool = False) -> None:
+        """Judge under ``policies`` (a mapping policy name -> value, contract section 5.2) on
+        top of the adapter's declaration, or of the defaults with ``forget_declared``
+        (``check --policy``); ``ValueError``/``TypeError`` naming a bad name or value."""
+        resolve_policies(policies, "policies")
+        base = {} if forget_declared else dict(self._declared_policies)
+        self._policy_override = {**base, **dict(policies or {})}
+
+    @property
+    def policies(self) -> dict:
+        """Every policy's value the oracle is evaluated under (section 5.2)."""
+        return resolve_policies(self._policy_override if self._policy_override is not None
+                                else self._declared_policies)
+
+    @property
+    def policy_source(self) -> str:
+        """``"adapter"`` (as the adapter declares), ``"default"`` (it declares none),
+        ``"command line"`` (:meth:`set_policies`)."""
+        if self._policy_override is not None:
+            return "command line"
+        return "adapter" if self._declared_policies else "default"
 
     @property
     def precision_source(self) -> str:

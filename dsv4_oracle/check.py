@@ -27,6 +27,7 @@ DEFAULT_TIMEOUT_S = 900.0
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
+    from dsv4_oracle.reference.contract_policies import POLICIES
     from .adapters import ALL_OPS
     p = sub.add_parser(
         "check", help="check an implementation against the oracle over catalog cases",
@@ -66,6 +67,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "declaration (default; a declaration looser than the default is "
                         "flagged) or the default (float32 accumulation, outputs in the input "
                         "dtype) whatever the adapter declares")
+    p.add_argument("--policy", metavar="NAME=VALUE", action="append", default=[],
+                   help="judge under this named policy of contract section 5.2 (repeatable; "
+                        "on top of what the adapter declares); 'default' first forgets the "
+                        "adapter's declaration (the contract's defaults). Policies: "
+                        + "; ".join(f"{n}: {'|'.join(p.values)}" for n, p in POLICIES.items()))
     p.add_argument("--report", metavar="DIR", default=None,
                    help="write report.json, report.md and PNG plots into DIR")
     p.add_argument("--junit", metavar="FILE", default=None, help="write JUnit XML to FILE")
@@ -82,6 +88,22 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def _usage_error(msg: str) -> int:
     print(f"dsv4-oracle check: error: {msg}", file=sys.stderr)
     return EXIT_USAGE
+
+
+def _parse_policies(items: list) -> tuple[dict, dict]:
+    """``(policies, {"forget_declared": bool})`` of the ``--policy`` arguments: ``NAME=VALUE``
+    each, or ``default`` (forget the adapter's declaration)."""
+    pol: dict = {}
+    forget = False
+    for item in items:
+        if item.strip() == "default":
+            forget = True
+            continue
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip() or not value.strip():
+            raise ValueError(f"expected NAME=VALUE or 'default', got {item!r}")
+        pol[name.strip()] = value.strip()
+    return pol, {"forget_declared": forget}
 
 
 def main_check(args) -> int:
@@ -127,6 +149,12 @@ def _main_check(args) -> int:
         return _usage_error(why)
     if args.precision == "default":
         adapter.use_default_precision()
+    if args.policy:
+        try:
+            pol, opts = _parse_policies(args.policy)
+            adapter.set_policies(pol, **opts)
+        except (TypeError, ValueError) as exc:
+            return _usage_error(f"--policy: {exc}")
     try:
         ops = checked_ops(adapter, [o.strip() for o in args.ops.split(",") if o.strip()]
                           if args.ops else None)

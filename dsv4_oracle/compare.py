@@ -466,13 +466,21 @@ def _lengths_1d(x, name: str, T: int) -> torch.Tensor:
 
 
 def compare_topk(ids, lengths, ids_ref, lengths_ref, *, order: str | None = None,
-                 near_tie_rows=None, name: str = "topk") -> CheckResult:
+                 near_tie_rows=None, name: str = "topk", ties: str = "by_id",
+                 scores=None) -> CheckResult:
     """Section 4: per row, the lengths and the selected *sets* must match exactly; slots at or
     beyond a row's length must be ``-1``; a row must not select an id twice. Under a named
     ``order`` policy (``"id"`` or ``"score"``, the reference computed under the same policy)
     the first ``length`` slots must also match in order. Rows flagged in ``near_tie_rows``
     (bool ``[T]`` or row indices) are excluded and counted. Widths may differ (alignment
     padding): the narrower side is padded with ``-1``.
+
+    ``ties="any"`` (policy ``topk_ties``, section 5.2: any member of an exact tie may be
+    selected) judges the set against the ``scores [T, N]`` it was selected from instead of the
+    reference's set: every selected id is a candidate (a finite or ``+inf`` score), and every
+    selected score is ``>=`` every unselected candidate's (exact comparisons, ``-0.0 == +0.0``);
+    the lengths must still equal the reference's; the order policy is checked on the row itself
+    (``"id"``: ascending ids; ``"score"``: non-increasing scores).
     """
     name = _name(name)
     if order is not None:
@@ -480,6 +488,11 @@ def compare_topk(ids, lengths, ids_ref, lengths_ref, *, order: str | None = None
             raise TypeError(f"order must be a str or None, got {type(order).__name__}")
         if order not in TOPK_ORDERS:
             raise ValueError(f"order must be one of {TOPK_ORDERS} or None, got {order!r}")
+    if ties not in ("by_id", "any"):
+        raise ValueError(f"ties must be 'by_id' or 'any', got {ties!r}")
+    if ties == "any" and scores is None:
+        raise ValueError("ties='any' judges the set against the scores it was selected from: "
+                         "pass scores")
     ref = _ids_2d(ids_ref, "ids_ref")
     T = ref.shape[0]
     lref = _lengths_1d(lengths_ref, "lengths_ref", T)
@@ -507,13 +520,20 @@ def compare_topk(ids, lengths, ids_ref, lengths_ref, *, order: str | None = None
     big = torch.iinfo(torch.int64).max
     sg, _ = torch.sort(torch.where(in_got, got, torch.full_like(got, big)), dim=1)
     sr, _ = torch.sort(torch.where(in_ref, ref, torch.full_like(ref, big)), dim=1)
-    bad_set = (sg != sr).any(dim=1)
+    if ties == "any":
+        bad_set, picked = _not_a_topk(got, in_got, _cpu(_tensor(scores, "scores")), T)
+    else:
+        bad_set = (sg != sr).any(dim=1)
     dup = ((sg[:, 1:] == sg[:, :-1]) & (sg[:, 1:] != big)).any(dim=1) if W > 1 else \
         torch.zeros(T, dtype=torch.bool)
     bad_tail = (torch.where(in_got, torch.full_like(got, -1), got) != -1).any(dim=1)
     bad_neg = (in_got & (got < 0)).any(dim=1)
     bad_order = torch.zeros(T, dtype=torch.bool)
-    if order is not None:
+    if order is not None and ties == "any":
+        pair = in_got[:, 1:]                  # slot j and j-1 both within the length
+        step = (got[:, 1:] <= got[:, :-1]) if order == "id" else (picked[:, 1:] > picked[:, :-1])
+        bad_order = (pair & step).any(dim=1) & ~bad_len
+    elif order is not None:
         bad_order = (torch.where(in_ref, got, ref) != ref).any(dim=1) & ~bad_len
     bad = (bad_len | bad_set | dup | bad_tail | bad_neg | bad_order) & ~excluded
     nbad = int(bad.sum())
@@ -523,7 +543,7 @@ def compare_topk(ids, lengths, ids_ref, lengths_ref, *, order: str | None = None
              "duplicate_rows": int((dup & ~excluded).sum()),
              "tail_not_minus_one_rows": int((bad_tail & ~excluded).sum()),
              "negative_in_length_rows": int((bad_neg & ~excluded).sum()),
-             "order_policy": order,
+             "order_policy": order, "ties_policy": ties,
              "order_mismatch_rows": int((bad_order & ~excluded).sum())}
     if not nbad:
         return CheckResult(name, "topk", True, None, 0,
@@ -534,13 +554,40 @@ def compare_topk(ids, lengths, ids_ref, lengths_ref, *, order: str | None = None
     rs = set(ref[t][in_ref[t]].tolist())
     missing, surplus = sorted(rs - gs)[:8], sorted(gs - rs)[:8]
     extra.update(first_row=t, first_row_missing=missing, first_row_extra=surplus)
+    what = (f"missing {missing}, extra {surplus}" if ties == "by_id" else
+            "not a Top-K of its scores (an unselected candidate scores above a selected id, or "
+            "a selected id is no candidate)" if bool(bad_set[t]) else "a Top-K of its scores")
     return CheckResult(name, "topk", False, None, nbad,
                        f"{nbad} of {T} rows differ; first row {t}: length {int(lgot[t])} vs "
-                       f"{int(lref[t])}, missing {missing}, extra {surplus}"
+                       f"{int(lref[t])}, {what}"
                        + (", order differs" if bool(bad_order[t]) else "")
                        + (", duplicate ids" if bool(dup[t]) else "")
                        + (", slots past the length are not -1" if bool(bad_tail[t]) else ""),
                        extra)
+
+
+def _not_a_topk(got: torch.Tensor, in_got: torch.Tensor, scores: torch.Tensor, T: int):
+    """Per row, whether the selected ids (``got`` within ``in_got``) fail to be a Top-K set of
+    ``scores [T, N]`` (an id outside ``[0, N)`` or with a ``-inf``/NaN score, or an unselected
+    candidate scoring above a selected id); and the selected scores (``-inf`` past the
+    length), for the order check."""
+    if scores.dim() != 2 or scores.shape[0] != T:
+        raise ValueError(f"scores must have shape [{T}, N], got {tuple(scores.shape)}")
+    sc = scores.to(torch.float64)
+    N = sc.shape[1]
+    ok_id = (got >= 0) & (got < N)
+    safe = torch.where(ok_id & in_got, got, torch.zeros_like(got)).clamp_max(max(N - 1, 0))
+    picked = sc.gather(1, safe) if N else torch.full(got.shape, -math.inf, dtype=torch.float64)
+    picked = torch.where(in_got & ok_id, picked, torch.full_like(picked, -math.inf))
+    no_cand = in_got & (~ok_id | ~(picked > -math.inf))
+    chosen = torch.zeros((T, N + 1), dtype=torch.bool)
+    chosen.scatter_(1, torch.where(in_got & ok_id, got, torch.full_like(got, N)), True)
+    chosen = chosen[:, :N]
+    lowest = torch.where(in_got, picked, torch.full_like(picked, math.inf)).amin(dim=1) \
+        if got.shape[1] else torch.full((T,), math.inf, dtype=torch.float64)
+    rest = torch.where(~chosen & (sc > -math.inf), sc, torch.full_like(sc, -math.inf))
+    highest = rest.amax(dim=1) if N else torch.full((T,), -math.inf, dtype=torch.float64)
+    return no_cand.any(dim=1) | (highest > lowest), picked
 
 
 # ---------------------------------------------------------------------------------------------

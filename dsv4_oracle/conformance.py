@@ -45,6 +45,7 @@ import torch
 
 from dsv4_oracle import reference as R
 from dsv4_oracle.reference import error_model as EM
+from dsv4_oracle.reference.contract_policies import DEFAULT_POLICIES, resolve_policies
 from dsv4_oracle.reference._checks import as_device, compute_on, to_cpu
 
 from .adapters import Adapter
@@ -126,6 +127,8 @@ class Stage(NamedTuple):
     result is rounded to when the adapter lacks the op (``IO``: the case's dtype). ``applies``:
     whether the stage exists for a case. ``call``: ``(case, layout, reads) -> (args, kwargs)``,
     the same for the adapter's op and for ``reference.<op>``. ``judge``: the stage's rules.
+    ``policy_kw``: ``(case, policies) -> kwargs`` the oracle (and its bound) takes on top of
+    ``call`` under the policies of section 5.2 (the adapter's op is called as ``call`` says).
     """
 
     op: str
@@ -136,6 +139,7 @@ class Stage(NamedTuple):
     applies: Callable
     call: Callable
     judge: Callable
+    policy_kw: Callable = lambda case, pol: {}
 
 
 def _csa(case) -> bool:
@@ -152,18 +156,51 @@ def _loss(case) -> bool:
 
 
 # which quantity's checks vouch for a read (cmp_lengths is judged with cmp_ids)
-_QUANTITY_OF = {"cmp_lengths": "cmp_ids", "att_lengths": "lengths"}
+_QUANTITY_OF = {"cmp_lengths": "cmp_ids", "att_lengths": "lengths", "loss_ids": "cmp_ids",
+                "loss_lse": "lse"}
+# the indexer loss's key set and normaliser (section 8): the Top-K selection and the
+# attention's lse under the sparse teacher; under the dense teacher (section 5.2) every visible
+# compressed key and each head's log-sum-exp over them
+_LOSS_READS = {"loss_ids": "cmp_ids", "loss_lse": "lse"}
 
 
-def _read(case, name: str, x: dict, con: dict, produced: Callable | None = None):
+def oracle_layout(case, policies=None):
+    """The layout the oracle evaluates ``case`` on: the case's own, or under the policy
+    ``padding_rows="attend"`` (section 5.2) the same with every padding row real."""
+    lay = case.layout()
+    pol = DEFAULT_POLICIES if policies is None else policies
+    return lay.padding_as_real() if pol["padding_rows"] == "attend" else lay
+
+
+def _dense_read(case, name: str, x: dict, con: dict, produced, pol):
+    """``loss_ids`` / ``loss_lse`` under the dense teacher (section 5.2): every compressed key
+    visible to a row (``[T, C]``, slot ``c`` = id ``c``), and each head's log-sum-exp over them
+    (the oracle's, float64, rounded to float32 as a kernel stores statistics)."""
+    ids = oracle_layout(case, pol).visible_compressed_ids(case.ratio)
+    if name == "loss_ids":
+        return ids
+    q, kc, sink = (_read(case, r, x, con, produced, pol) for r in ("q", "kv_cmp", "sink"))
+    q, kc, sink = (t.detach().to("cpu") for t in (q, kc, sink))
+    _, lse = R.sparse_attention_forward(q, kc, ids, sink, scale=case.scale)
+    return lse.to(torch.float32)
+
+
+def _read(case, name: str, x: dict, con: dict, produced: Callable | None = None,
+          pol: dict | None = None):
     """The value a stage reads under ``name``: what the pipeline consumed (``con``), else the
     oracle's output for a name an applicable stage produces (``produced``), else the case's
     inputs (``index_scores`` for a layer case with given scores; ``None`` for the compressed
-    selection of a layer without one)."""
+    selection of a layer without one). ``loss_ids`` / ``loss_lse``: the indexer loss's key set
+    and normaliser under the teacher policy of ``pol`` (default: the contract's)."""
+    if name in _LOSS_READS:
+        if pol is not None and pol["teacher"] == "dense":
+            return _dense_read(case, name, x, con, produced, pol)
+        return _read(case, _LOSS_READS[name], x, con, produced, pol)
     if name == "att_lengths":
         if not case.is_layer:
             return x.get("lengths")
-        return _read(case, "lengths", x, con, produced) if case.lengths == "layer" else None
+        return _read(case, "lengths", x, con, produced, pol) if case.lengths == "layer" \
+            else None
     if name in con:
         return con[name]
     st = _PRODUCER.get(name)
@@ -217,17 +254,21 @@ def _pinned_convention(adapter: Adapter, op: str) -> str | None:
     return conv
 
 
-def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True) -> Run:
+def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True,
+            policies=None) -> Run:
     """The op-level pipeline of ``case`` on the inputs ``x`` (on ``adapter.device``).
 
     ``ops``: restrict to these op names (default: every op the adapter provides);
     ``backward=False`` skips the gradient ops (the forward of section 11's grad-mode parity).
     A stage runs when the adapter provides it, or (as the oracle, rounded per
-    :attr:`Stage.stored`) when a later stage that runs reads one of its outputs.
+    :attr:`Stage.stored`, under ``policies``: the policies of section 5.2 the adapter follows)
+    when a later stage that runs reads one of its outputs.
     Raises :class:`OpError` when an op raises or returns a malformed result.
     """
     dev = adapter.device
     lay = case.layout()
+    pol = resolve_policies(policies)
+    olay = oracle_layout(case, pol)
     stages = [s for s in STAGES if s.applies(case) and (backward or s.op not in BACKWARD_OPS)]
     use = {s.op: adapter.has(s.op) and (ops is None or s.op in ops) for s in stages}
     wanted: set = set()
@@ -235,19 +276,20 @@ def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True)
     for s in reversed(stages):
         if use[s.op] or wanted & set(s.writes):
             runs.append(s)
-            wanted |= {"lengths" if r == "att_lengths" else r for r in s.reads}
+            wanted |= {_QUANTITY_OF.get(r, r) for r in s.reads}
     got: dict = {}
     con: dict = {}
     backends: dict = {}
     order = runs[::-1]
     for i, s in enumerate(order):
-        v = {r: _read(case, r, x, con) for r in s.reads}
+        v = {r: _read(case, r, x, con, pol=pol) for r in s.reads}
         if use[s.op]:
             args, kw = s.call(case, lay, _moved(v, dev))
             res = _call(adapter, backends, s.op, len(s.writes), *args, **kw)
             got.update(zip(s.writes, res))
         else:
-            args, kw = s.call(case, lay, _moved(v, "cpu"))
+            args, kw = s.call(case, olay, _moved(v, "cpu"))
+            kw.update(s.policy_kw(case, pol))
             try:
                 res = _fields(s.op, getattr(R, s.op)(*args, **kw), len(s.writes))
             except (ValueError, TypeError, IndexError, RuntimeError) as exc:
@@ -408,13 +450,22 @@ def error_ratio_map(actual, expected, bound) -> torch.Tensor:
     return torch.cat(parts) if parts else per_row(slice(0, 0))
 
 
+def _kw_key(kw: dict) -> tuple:
+    """A hashable memo key of the policies' oracle arguments (per-row divisors by value)."""
+    return tuple(sorted((k, tuple(v.reshape(-1).tolist()) if isinstance(v, torch.Tensor) else v)
+                        for k, v in kw.items()))
+
+
 class _Judging:
     """The state of judging one run: the consumed inputs (CPU), the oracle's results memoised
     on the content hash of what they read, the precision per op, and the outputs found
     unusable so far (name -> reason)."""
 
-    def __init__(self, case, x, got, con, precision, cache, maps, oracle_device=None):
+    def __init__(self, case, x, got, con, precision, cache, maps, oracle_device=None,
+                 policies=None):
         self.case, self.lay = case, case.layout()
+        self.pol = resolve_policies(policies)
+        self.olay = oracle_layout(case, self.pol)
         self.on = _on_device(oracle_device)
         self.comparing = lambda: _comparing_on(oracle_device)
         self.hashes: dict = {}
@@ -461,8 +512,16 @@ class _Judging:
         return self.cache[k]
 
     def read(self, name: str):
-        v = _read(self.case, name, self.x, self.con, self.produced)
+        if name == "loss_lse" and self.pol["teacher"] == "dense":
+            return self.memo(("dense lse",), lambda: _read(
+                self.case, name, self.x, self.con, self.produced, self.pol),
+                *(self.read(r) for r in ("q", "kv_cmp", "sink")))
+        v = _read(self.case, name, self.x, self.con, self.produced, self.pol)
         return v.detach().to("cpu") if isinstance(v, torch.Tensor) else v
+
+    def kw(self, st: Stage) -> dict:
+        """The oracle's (and its bound's) extra arguments for ``st`` under the policies."""
+        return st.policy_kw(self.case, self.pol)
 
     def produced(self, name: str):
         """The oracle's (float64, unrounded) output ``name`` on its stage's consumed inputs."""
@@ -473,10 +532,13 @@ class _Judging:
         return {r: (override[r] if r in override else self.read(r)) for r in st.reads}
 
     def oracle(self, st: Stage, **override):
-        """``reference.<op>`` on what the stage consumed (``override`` replaces reads)."""
+        """``reference.<op>`` on what the stage consumed (``override`` replaces reads), on the
+        layout and with the arguments of the declared policies."""
         v = self.reads(st, **override)
-        args, kw = st.call(self.case, self.lay, v)
-        return self.memo(("oracle", st.op), lambda: getattr(R, st.op)(*args, **kw),
+        args, kw = st.call(self.case, self.olay, v)
+        pkw = self.kw(st)
+        kw.update(pkw)
+        return self.memo(("oracle", st.op, _kw_key(pkw)), lambda: getattr(R, st.op)(*args, **kw),
                          *(v[r] for r in st.reads))
 
     def numeric(self, name: str, expected, bound) -> CheckResult:
@@ -520,20 +582,25 @@ def _scores_and_bound(j: _Judging) -> tuple:
     v = j.reads(st)
     s_o = j.oracle(st)
     p = j.prec(st.op)
-    b = j.memo(("bound", st.op, p), lambda: EM.indexer_scores_bound(
-        v["q_idx"], v["k_idx"], v["weights"], j.lay, j.case.ratio, s_o, precision=p),
+    kw = j.kw(st)
+    b = j.memo(("bound", st.op, p, _kw_key(kw)), lambda: EM.indexer_scores_bound(
+        v["q_idx"], v["k_idx"], v["weights"], j.olay, j.case.ratio, s_o, precision=p, **kw),
         v["q_idx"], v["k_idx"], v["weights"])
     return s_o, b
 
 
 def _judge_topk(j: _Judging, st: Stage) -> list:
-    """Section 4: exact sets, lengths and order policy of the Top-K of the consumed scores; and,
+    """Section 4: exact sets, lengths and order policy of the Top-K of the consumed scores
+    (under the policy ``topk_ties="any"``, a valid Top-K set of them with exact lengths); and,
     when the implementation computed the scores, the sets of the oracle's own selection with
     near ties (within a few float32 ulps or the scores' bounds) excluded."""
     case, got = j.case, j.got
     t_ids, t_len = j.oracle(st)
+    ties = j.pol["topk_ties"]
     out = [_tagged(compare_topk(got["cmp_ids"], got["cmp_lengths"], t_ids, t_len,
-                                order=case.order, name="cmp_ids (consumed scores)"), "cmp_ids")]
+                                order=case.order, name="cmp_ids (consumed scores)", ties=ties,
+                                scores=j.read("scores") if ties == "any" else None),
+                   "cmp_ids")]
     if "scores" in got and case.topk >= 1:
         s_o, b_s = _scores_and_bound(j)
         o_ids, o_len = j.oracle(st, scores=s_o)
@@ -567,7 +634,7 @@ def _judge_forward(j: _Judging, st: Stage) -> list:
     p = j.prec(st.op)
     b_out, b_lse = j.memo(("bound", st.op, p), lambda: EM.attention_forward_bound(
         v["q"], v["kv"], v["ids"], v["sink"], out_o, lse_o, precision=p, v_dim=j.case.v_dim,
-        lengths=v["att_lengths"]), *(v[r] for r in st.reads))
+        lengths=v["att_lengths"], scale=j.case.scale), *(v[r] for r in st.reads))
     checks = []
     if "out" in j.got:
         checks.append(j.numeric("out", out_o, b_out))
@@ -674,9 +741,18 @@ def _judge_loss(j: _Judging, st: Stage) -> list:
     v = j.reads(st)
     L = j.oracle(st)
     p = j.prec(st.op)
-    LB = j.memo(("bound", st.op, p), lambda: EM.indexer_loss_bound(
-        v["q"], v["kv_cmp"], v["sink"], v["lse"], v["cmp_ids"], v["scores"], j.lay, L,
-        coeff=j.case.coeff, precision=p), *(v[r] for r in st.reads))
+    kw = j.kw(st)
+    if j.pol["teacher"] == "dense":
+        # the dense teacher's per-head normaliser is the implementation's own: within the
+        # section 6 bound of an lse over the same keys
+        kw["lse_error"] = j.memo(("bound", "dense lse", p), lambda: EM.attention_forward_bound(
+            v["q"], v["kv_cmp"], v["loss_ids"], v["sink"], *R.sparse_attention_forward(
+                v["q"], v["kv_cmp"], v["loss_ids"], v["sink"], scale=j.case.scale),
+            precision=p, scale=j.case.scale)[1], v["q"], v["kv_cmp"], v["sink"])
+    LB = j.memo(("bound", st.op, p, _kw_key({k: w for k, w in kw.items() if k != "lse_error"})),
+                lambda: EM.indexer_loss_bound(
+        v["q"], v["kv_cmp"], v["sink"], v["loss_lse"], v["loss_ids"], v["scores"], j.olay, L,
+        coeff=j.case.coeff, precision=p, scale=j.case.scale, **kw), *(v[r] for r in st.reads))
     return [j.numeric(n, getattr(L, n), getattr(LB, n)) for n in st.writes if n in j.got]
 
 
@@ -686,17 +762,44 @@ def _judge_loss_grad(j: _Judging, st: Stage) -> list:
     v = j.reads(st)
     g_o = _fields(st.op, j.oracle(st), 3)
     p = j.prec(st.op)
-    g_b = j.memo(("bound", st.op, p), lambda: EM.indexer_loss_grad_bound(
-        v["q_idx"], v["k_idx"], v["weights"], v["cmp_ids"], v["target"], v["predict"], *g_o,
-        coeff=j.case.coeff, num_real=j.lay.num_real, precision=p), *(v[r] for r in st.reads))
+    kw = {"num_real": j.lay.num_real, **j.kw(st)}
+    g_b = j.memo(("bound", st.op, p, _kw_key(kw)), lambda: EM.indexer_loss_grad_bound(
+        v["q_idx"], v["k_idx"], v["weights"], v["loss_ids"], v["target"], v["predict"], *g_o,
+        coeff=j.case.coeff, precision=p, **kw), *(v[r] for r in st.reads))
     return [j.numeric(n, e, b) for n, e, b in zip(st.writes, g_o, g_b) if n in j.got]
+
+
+def _scaled(case, kw: dict) -> dict:
+    """``kw`` plus ``scale=case.scale`` for a case that carries its own attention scale (the ops
+    of sections 6 and 8 take it; without one they use their default ``D ** -0.5``)."""
+    return kw if case.scale is None else {**kw, "scale": case.scale}
+
+
+def index_scale(case, pol) -> float | None:
+    """The indexer's scale under the policy ``index_scale`` (section 5.2): ``None`` (the
+    default ``D_I ** -0.5``) or ``(D_I H_I) ** -0.5``."""
+    return (case.index_dim * case.index_heads) ** -0.5 if pol["index_scale"] == "dim_heads" \
+        else None
+
+
+def loss_normaliser(case, pol):
+    """The loss's ``num_real`` under the policies ``loss_norm`` and ``padding_rows`` (section
+    5.2; :func:`reference.indexer_loss.loss_normalisers`): an int, or per-row divisors."""
+    from dsv4_oracle.reference.indexer_loss import loss_normalisers
+    return loss_normalisers(case.layout(), pol["loss_norm"], padding_rows=pol["padding_rows"],
+                            cp=case.cp, cp_mode=case.cp_mode)
+
+
+def _index_kw(case, pol) -> dict:
+    s = index_scale(case, pol)
+    return {} if s is None else {"scale": s}
 
 
 STAGES = (
     Stage("indexer_scores", "7", ("q_idx", "k_idx", "weights"), ("scores",), (torch.float32,),
           _indexer,
           lambda c, lay, v: ((v["q_idx"], v["k_idx"], v["weights"], lay, c.ratio), {}),
-          _judge_scores),
+          _judge_scores, _index_kw),
     Stage("stable_topk", "4", ("scores",), ("cmp_ids", "cmp_lengths"),
           (torch.int32, torch.int32), _csa,
           lambda c, lay, v: ((v["scores"], c.topk), dict(order=c.order)),
@@ -709,26 +812,30 @@ STAGES = (
     Stage("sparse_attention_forward", "6", ("q", "kv", "ids", "sink", "att_lengths"),
           ("out", "lse"), (IO, torch.float32), lambda c: True,
           lambda c, lay, v: ((v["q"], v["kv"], v["ids"], v["sink"]),
-                             dict(v_dim=c.v_dim, lengths=v["att_lengths"])),
+                             _scaled(c, dict(v_dim=c.v_dim, lengths=v["att_lengths"]))),
           _judge_forward),
     Stage("sparse_attention_backward", "6",
           ("q", "kv", "ids", "sink", "out", "lse", "dout", "att_lengths"), _GRADS,
           (IO, IO, torch.float32), lambda c: True,
           lambda c, lay, v: ((v["q"], v["kv"], v["ids"], v["sink"], v["out"], v["lse"],
-                              v["dout"]), dict(v_dim=c.v_dim, lengths=v["att_lengths"])),
+                              v["dout"]),
+                             _scaled(c, dict(v_dim=c.v_dim, lengths=v["att_lengths"]))),
           _judge_backward),
-    Stage("sparse_indexer_loss", "8", ("q", "kv_cmp", "sink", "lse", "cmp_ids", "scores"),
+    Stage("sparse_indexer_loss", "8", ("q", "kv_cmp", "sink", "loss_lse", "loss_ids", "scores"),
           ("loss", "kl", "target", "predict"),
           (torch.float32, torch.float32, torch.float32, torch.float32), _loss,
-          lambda c, lay, v: ((v["q"], v["kv_cmp"], v["sink"], v["lse"], v["cmp_ids"],
-                              v["scores"], lay), dict(coeff=c.coeff)),
-          _judge_loss),
+          lambda c, lay, v: ((v["q"], v["kv_cmp"], v["sink"], v["loss_lse"], v["loss_ids"],
+                              v["scores"], lay), _scaled(c, dict(coeff=c.coeff))),
+          _judge_loss,
+          lambda c, pol: dict(num_real=loss_normaliser(c, pol), kl_form=pol["kl_form"])),
     Stage("sparse_indexer_loss_grad", "8",
-          ("q_idx", "k_idx", "weights", "cmp_ids", "target", "predict"),
+          ("q_idx", "k_idx", "weights", "loss_ids", "target", "predict"),
           ("dq_idx", "dw", "dk_idx"), (IO, IO, IO), lambda c: _indexer(c) and _loss(c),
-          lambda c, lay, v: ((v["q_idx"], v["k_idx"], v["weights"], v["cmp_ids"], v["target"],
+          lambda c, lay, v: ((v["q_idx"], v["k_idx"], v["weights"], v["loss_ids"], v["target"],
                               v["predict"]), dict(coeff=c.coeff, num_real=lay.num_real)),
-          _judge_loss_grad),
+          _judge_loss_grad,
+          lambda c, pol: dict(num_real=loss_normaliser(c, pol), mode=pol["index_grad"],
+                              kl_form=pol["kl_form"], **_index_kw(c, pol))),
 )
 _PRODUCER = {w: s for s in STAGES for w in s.writes}
 _STAGE = {s.op: s for s in STAGES}
@@ -743,27 +850,30 @@ def applies(op: str, case) -> bool:
     return bool(_STAGE[op].applies(case))
 
 
-def oracle_stage(case, stage: Stage, x: dict, done: dict) -> dict:
+def oracle_stage(case, stage: Stage, x: dict, done: dict, *, policies=None) -> dict:
     """The oracle's outputs of one stage, name -> tensor (the stage's ``writes``), on what it
     reads: the outputs of earlier stages in ``done``, else the case's inputs ``x`` (see
-    :func:`_read`). float64/int64 as ``reference`` returns them, unrounded."""
-    v = {r: _read(case, r, x, done) for r in stage.reads}
-    args, kw = stage.call(case, case.layout(), v)
+    :func:`_read`), under ``policies`` (section 5.2; default: the contract's). float64/int64 as
+    ``reference`` returns them, unrounded."""
+    pol = resolve_policies(policies)
+    v = {r: _read(case, r, x, done, pol=pol) for r in stage.reads}
+    args, kw = stage.call(case, oracle_layout(case, pol), v)
+    kw.update(stage.policy_kw(case, pol))
     res = _fields(stage.op, getattr(R, stage.op)(*args, **kw), len(stage.writes))
     return dict(zip(stage.writes, res))
 
 
-def oracle_outputs(case, x: dict, *, backward: bool = True) -> dict:
+def oracle_outputs(case, x: dict, *, backward: bool = True, policies=None) -> dict:
     """Every stage of :data:`STAGES` that applies to ``case``, in order, evaluated by the oracle
     on the inputs ``x`` and its own earlier outputs (no adapter, nothing rounded): a dict named
     as the stages' ``writes`` (``scores``, ``cmp_ids``, ``cmp_lengths``, ``ids``, ``lengths``,
     ``out``, ``lse``, ``dq``, ``dkv``, ``dsink``, ``loss``, ``kl``, ``target``, ``predict``,
     ``dq_idx``, ``dw``, ``dk_idx``; those of the stages that apply). ``backward=False`` skips
-    :data:`BACKWARD_OPS`."""
+    :data:`BACKWARD_OPS`. ``policies``: see :func:`oracle_stage`."""
     done: dict = {}
     for st in STAGES:
         if st.applies(case) and (backward or st.op not in BACKWARD_OPS):
-            done.update(oracle_stage(case, st, x, done))
+            done.update(oracle_stage(case, st, x, done, policies=policies))
     return done
 
 # the quantities each stage's checks carry, for "not judged" rows
@@ -821,7 +931,8 @@ def _judge_stage(j: _Judging, st: Stage, pinned: str | None) -> list:
 
 def judge(case, x: dict, got: dict, *, precision, consumed: dict | None = None,
           cache: dict | None = None, maps: dict | None = None,
-          convention: str | None = None, oracle_device=None) -> list[CheckResult]:
+          convention: str | None = None, oracle_device=None,
+          policies=None) -> list[CheckResult]:
     """Every check of ``got`` against the oracle on the consumed inputs (section 12).
 
     ``x``: the case's inputs as the implementation received them; ``got``: its outputs (only
@@ -837,6 +948,9 @@ def judge(case, x: dict, got: dict, *, precision, consumed: dict | None = None,
     flags ``padding`` and ``sink_only`` (for the report's heat map). ``oracle_device`` (default:
     the CPU, the oracle's definition) runs the memoised oracle and error-model evaluations on
     that device (``reference._checks.compute_on``); their results come back to the CPU.
+    ``policies``: the policies of section 5.2 the implementation follows (a mapping policy name
+    -> value; unnamed policies and ``None``: the contract's defaults): the oracle is evaluated
+    under them (``reference.contract_policies``).
 
     Stages are judged in pipeline order; a stage that reads an output whose own check found it
     unusable (non-finite pattern or shape) reports its checks as not judged.
@@ -851,7 +965,7 @@ def judge(case, x: dict, got: dict, *, precision, consumed: dict | None = None,
     if pinned is not None and pinned not in BACKWARD_CONVENTIONS:
         raise ValueError(f"convention must be one of {BACKWARD_CONVENTIONS} or None, got "
                          f"{pinned!r}")
-    j = _Judging(case, x, got, con, precision, cache, maps, oracle_device)
+    j = _Judging(case, x, got, con, precision, cache, maps, oracle_device, policies)
     stages = [st for st in STAGES if st.applies(case) and any(w in got for w in st.writes)]
     for st in stages:                    # a usage error, not a verdict: raise before judging
         j.prec(st.op)

@@ -153,7 +153,7 @@ def _json_ratio(r):
 def report_dict(result: RunResult, *, argv=None) -> dict:
     """The report as a JSON-ready dict (schema :data:`SCHEMA` version :data:`SCHEMA_VERSION`)."""
     from dsv4_oracle import reference
-    from .runner import precision_summary
+    from .runner import policy_summary, precision_summary
     worst = _worst(result)
     cases = []
     for o in result.outcomes:
@@ -183,6 +183,7 @@ def report_dict(result: RunResult, *, argv=None) -> dict:
                 "device": result.adapter.device, "ops": list(result.ops),
                 "catalog": result.catalog, "case_patterns": list(result.patterns),
                 "replays": result.replays, "precision": precision_summary(result),
+                "policies": policy_summary(result),
                 "started_utc": result.started_utc,
                 "elapsed_s": round(result.elapsed_s, 3),
                 "argv": list(sys.argv[1:] if argv is None else argv)},
@@ -342,9 +343,10 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
                + (f" (backends: {', '.join(backends)})" if backends else "")
                + f"; {result.catalog} catalog, {len(result.outcomes)} cases, "
                f"replays {result.replays}")
-    from .runner import precision_lines, precision_summary
+    from .runner import policy_lines, policy_summary, precision_lines, precision_summary
     p_lines, p_flag = precision_lines(precision_summary(result))
     out += p_lines
+    out += policy_lines(policy_summary(result))
     rows = []
     for r in quantity_rows(result):
         status = "FAIL" if r["failed"] else "ok"
@@ -473,7 +475,7 @@ def write_junit(result: RunResult, path: str) -> None:
 
 
 def _markdown(d: dict, images: list[str]) -> str:
-    from .runner import precision_lines
+    from .runner import policy_lines, precision_lines
     s, run = d["summary"], d["run"]
     lines = [f"# dsv4-oracle check: {'PASS' if d['passed'] else 'FAIL'}", ""]
     lines += [f"- implementation: `{run['impl']}` (adapter {run['adapter']}) on "
@@ -492,6 +494,9 @@ def _markdown(d: dict, images: list[str]) -> str:
               "- " + (" ".join(line.strip() for line in precision_lines(run["precision"])[0])
                       .replace("WARNING: ", "**looser than the default**: ")
                       or "precision assumed: none (no op ran)"),
+              "- " + ("".join(policy_lines(run["policies"])) if "policies" in run and
+                      run["policies"]["non_default"] else
+                      "policies assumed: the contract's defaults (section 5.2)"),
               f"- machine: {d['machine']['platform']}, {d['machine']['cpu_count']} CPUs, torch "
               f"{d['machine']['torch']}, CUDA device {d['machine']['cuda_device']}",
               f"- started {run['started_utc']}, {run['elapsed_s']:.1f} s; oracle "

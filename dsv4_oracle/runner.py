@@ -38,7 +38,7 @@ from .invoke import op_timeout
 
 __all__ = ["CATALOGS", "CaseOutcome", "RunResult", "SelectionError", "select_cases", "quick_ids",
            "check_case", "run_check", "LEVELS", "STRUCTURAL", "precision_summary",
-           "precision_lines"]
+           "precision_lines", "policy_summary", "policy_lines"]
 
 CATALOGS = ("quick", "full", "production")
 LEVELS = ("op", "layer")
@@ -138,6 +138,8 @@ class RunResult:
     elapsed_s: float
     ops: tuple
     timeout: float | None = None
+    policies: dict | None = None          # every policy the verdicts assumed (section 5.2)
+    policy_source: str = "default"
 
     @property
     def passed(self) -> bool:
@@ -192,9 +194,11 @@ def level_precision(adapter: Adapter, dtype, level: str) -> dict:
 def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache: dict,
            maps: dict | None, oracle_device=None) -> tuple[list, dict]:
     """The checks of one level of one case, and the backends that ran."""
+    policies = adapter.policies
+
     def once(backward=True):
         if level == "op":
-            return run_ops(adapter, case, x, ops=ops, backward=backward)
+            return run_ops(adapter, case, x, ops=ops, backward=backward, policies=policies)
         return run_layer(adapter, case, x, backward=backward)
     runs: list = []
 
@@ -224,7 +228,8 @@ def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache
     precision = level_precision(adapter, case.torch_dtype, level)
     try:
         verdicts = judge(case, x, first.got, consumed=first.consumed, precision=precision,
-                         cache=cache, maps=maps, oracle_device=oracle_device)
+                         cache=cache, maps=maps, oracle_device=oracle_device,
+                         policies=policies)
     except Exception as exc:   # the oracle rejected an intermediate the implementation produced
         verdicts = [_failed("judge", "error", "run", level,
                             f"the oracle cannot evaluate the implementation's intermediates: "
@@ -324,7 +329,27 @@ def run_check(adapter: Adapter, cases, *, catalog: str = "quick", patterns=(), r
                 progress("done", case, o)
     used = tuple(o for o in adapter.ops if ops is None or o in ops)
     return RunResult(adapter, catalog, tuple(patterns), replays, outcomes, started,
-                     time.perf_counter() - t0, used, timeout or None)
+                     time.perf_counter() - t0, used, timeout or None, adapter.policies,
+                     adapter.policy_source)
+
+
+def policy_summary(result: RunResult) -> dict:
+    """The policies of contract section 5.2 every verdict assumed: ``source`` (``adapter``,
+    ``default``, ``command line``), ``policies`` (every policy's value) and ``non_default``."""
+    from dsv4_oracle.reference.contract_policies import non_default, resolve_policies
+    pol = resolve_policies(result.policies)
+    return {"source": result.policy_source, "policies": pol, "non_default": non_default(pol)}
+
+
+def policy_lines(s: dict) -> list[str]:
+    """One line naming the non-default policies a verdict assumed (none when every policy is
+    the contract's default)."""
+    if not s["non_default"]:
+        return []
+    src = {"adapter": "declared by the adapter", "command line": "--policy"}.get(s["source"],
+                                                                             s["source"])
+    return [f"policies assumed ({src}; contract section 5.2): "
+            + ", ".join(f"{k}={v}" for k, v in s["non_default"].items())]
 
 
 def _pstr(d: dict) -> str:
