@@ -81,6 +81,8 @@ QUANTITIES = {
     "dw": ("8", "gradient wrt the indexer weights"),
     "dk_idx": ("8", "gradient wrt k_idx"),
     "loss_detached": ("8", "the indexer loss alone backpropagates exact zeros to q, kv, sink"),
+    "convention": ("6", "the backward's Delta convention: as declared (measured by a probe)"),
+    "rejects": ("4, 6, 8", "inputs the contract says an op must refuse raise the named error"),
     "replays": ("11", "bitwise identical replays"),
     "grad_modes": ("11", "identical bits in no_grad / inference_mode / grad-enabled"),
     "no_mutation": ("11", "no input modified"),
@@ -255,11 +257,13 @@ def _pinned_convention(adapter: Adapter, op: str) -> str | None:
 
 
 def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True,
-            policies=None) -> Run:
+            policies=None, probe: bool = False) -> Run:
     """The op-level pipeline of ``case`` on the inputs ``x`` (on ``adapter.device``).
 
     ``ops``: restrict to these op names (default: every op the adapter provides);
     ``backward=False`` skips the gradient ops (the forward of section 11's grad-mode parity).
+    ``probe``: also call the attention backward once more with an ``out`` moved by ``dout``
+    (:func:`convention_probe`), so that :func:`judge` can measure its section 6 convention.
     A stage runs when the adapter provides it, or (as the oracle, rounded per
     :attr:`Stage.stored`, under ``policies``: the policies of section 5.2 the adapter follows)
     when a later stage that runs reads one of its outputs.
@@ -306,7 +310,27 @@ def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True,
         conv = _pinned_convention(adapter, "sparse_attention_backward")
         if conv is not None:
             con["backward_convention"] = conv
+        if probe and "dq" in got:
+            con[PROBE] = convention_probe(adapter, case, x, con, pol)
     return Run(got, con, backends)
+
+
+PROBE = "convention_probe"
+
+
+def convention_probe(adapter: Adapter, case, x: dict, con: dict, pol: dict) -> dict:
+    """Section 6: the attention backward called on the inputs it consumed, but with
+    ``out' = out + dout`` (rounded to ``out``'s dtype): ``Delta`` moves by ``|dout|^2`` per row
+    and head, far outside any rounding. A backward that forms ``Delta`` from the ``out`` it is
+    handed ("given") follows it; one that recomputes its forward ("recomputed") does not.
+    Returns ``{"out": out', "dq", "dkv", "dsink"}`` (what the backward returned)."""
+    st = _STAGE["sparse_attention_backward"]
+    v = {r: _read(case, r, x, con, pol=pol) for r in st.reads}
+    moved = (v["out"].detach().to(torch.float32) + v["dout"].detach().to(torch.float32))
+    v["out"] = moved.to(v["out"].dtype)
+    args, kw = st.call(case, case.layout(), _moved(v, adapter.device))
+    res = _call(adapter, {}, st.op, len(st.writes), *args, **kw)
+    return {"out": v["out"], **dict(zip(st.writes, res))}
 
 
 LAYER_LEAVES = ("q", "kv_raw", "kv_cmp", "sink", "q_idx", "k_idx", "weights")
@@ -478,6 +502,7 @@ class _Judging:
         self.maps = maps
         self.blocked: dict = {}
         self.failed: set = set()
+        self.probe: dict | None = None
 
     def prec(self, op: str) -> EM.Precision:
         p = self.precision
@@ -658,12 +683,14 @@ def _judge_forward(j: _Judging, st: Stage) -> list:
 _GRADS = ("dq", "dkv", "dsink")
 
 
-def _backward_under(j: _Judging, st: Stage, convention: str) -> tuple:
-    """The three attention gradients against the oracle's backward with ``Delta`` from the
-    ``out``/``lse`` the implementation was given (``"given"``) or from the oracle's own float64
-    forward on the consumed ``q``, ``kv``, ids and sink (``"recomputed"``). Returns
-    ``(checks, expected, bounds)``."""
-    override = {}
+def _expected_backward(j: _Judging, st: Stage, convention: str, out=None) -> tuple:
+    """``(expected, bounds)`` of the three attention gradients: the oracle's backward with
+    ``Delta`` from the ``out``/``lse`` the implementation was given (``"given"``; ``out``
+    replaces the given ``out``, for the probe) or from the oracle's own float64 forward on the
+    consumed ``q``, ``kv``, ids and sink (``"recomputed"``). The recomputed ``out`` is charged
+    what a forward in the declared precision errs when it never stores ``out``
+    (``attention_forward_bound(stored=False)``)."""
+    override = {} if out is None else {"out": out}
     p = j.prec(st.op)
     out_error = None
     if convention == "recomputed":
@@ -671,58 +698,121 @@ def _backward_under(j: _Judging, st: Stage, convention: str) -> tuple:
         override = {"out": out_o, "lse": lse_o}
     v = j.reads(st, **override)
     if convention == "recomputed":
-        # the recomputed out is the backward's own forward: within the forward's bound
         out_error = j.memo(("bound", "recomputed out", p), lambda: EM.attention_forward_bound(
             v["q"], v["kv"], v["ids"], v["sink"], out_o, lse_o, precision=p,
-            v_dim=j.case.v_dim, lengths=v["att_lengths"])[0],
-            *(v[r] for r in ("q", "kv", "ids", "sink", "att_lengths")))
+            v_dim=j.case.v_dim, lengths=v["att_lengths"], scale=j.case.scale,
+            stored=False)[0], *(v[r] for r in ("q", "kv", "ids", "sink", "att_lengths")))
     g_o = j.oracle(st, **override)
     bounds = j.memo(("bound", st.op, p, convention), lambda: EM.attention_backward_bound(
         v["q"], v["kv"], v["ids"], v["sink"], v["out"], v["lse"], v["dout"], *g_o,
-        precision=p, v_dim=j.case.v_dim, lengths=v["att_lengths"], out_error=out_error),
-        *(v[r] for r in st.reads))
+        precision=p, v_dim=j.case.v_dim, lengths=v["att_lengths"], out_error=out_error,
+        scale=j.case.scale), *(v[r] for r in st.reads))
+    return g_o, bounds
+
+
+def _backward_under(j: _Judging, st: Stage, convention: str) -> tuple:
+    """The attention gradients judged under ``convention``: ``(checks, expected, bounds)``."""
+    g_o, bounds = _expected_backward(j, st, convention)
     checks = [j.numeric(name, e, b) for name, e, b in zip(_GRADS, g_o, bounds) if name in j.got]
     return checks, g_o, bounds
+
+
+def _max_ratio(actual, expected, bound) -> float:
+    """``max |actual - expected| / bound`` (:func:`compare.error_ratios`; NaN counts as inf)."""
+    r = error_ratios(actual, expected, torch.broadcast_to(bound, expected.shape))
+    return float(torch.nan_to_num(r, nan=math.inf).max()) if r.numel() else 0.0
+
+
+def _measure_convention(j: _Judging, st: Stage) -> tuple:
+    """Section 6, measured: ``(convention or None, detail)``. Between the judged run and the
+    probe (:func:`convention_probe`: the same call with ``out`` moved by ``dout``) a backward of
+    the "given" convention moves by ``D``, the oracle's own change between the two ``out``s
+    (``Delta`` moves by ``|dout|^2``); one of the "recomputed" convention does not move. The
+    observed change is compared with ``D`` and with 0 in units of the judged run's "given"
+    bound; the closer one is the convention. ``None`` when ``D`` is within twice that bound
+    everywhere (the case cannot tell the conventions apart, e.g. no row has keys) or a shape
+    differs."""
+    probe = j.probe
+    g_main, b_main = _expected_backward(j, st, "given")
+    g_moved = j.oracle(st, out=probe["out"])
+    apart, r_giv, r_rec = 0.0, 0.0, 0.0
+    for name, e0, e1, b in zip(_GRADS, g_main, g_moved, b_main):
+        if name not in j.got or name not in probe:
+            continue
+        a0, a1 = j.got[name].detach().to("cpu", F64), probe[name].to(F64)
+        if tuple(a0.shape) != tuple(e0.shape) or tuple(a1.shape) != tuple(e0.shape):
+            return None, "a gradient has the wrong shape"
+        d = e1 - e0
+        apart = max(apart, _max_ratio(d, torch.zeros_like(d), 2 * b))
+        r_giv = max(r_giv, _max_ratio(a1 - a0, d, b))
+        r_rec = max(r_rec, _max_ratio(a1 - a0, torch.zeros_like(d), b))
+    if apart <= 1:
+        return None, "the case cannot tell the conventions apart"
+    conv = "given" if r_giv <= r_rec else "recomputed"
+    return conv, (f"the probe moved the gradients {r_giv:.3g} given-bounds away from the "
+                  f"'given' expectation and {r_rec:.3g} from 'recomputed'")
 
 
 def _worst(checks: list) -> float:
     return max((c.ratio for c in checks if c.ratio is not None and c.judged), default=0.0)
 
 
-def _with_note(c: CheckResult, note: str) -> CheckResult:
-    """``note`` after the check's finding and before its hints."""
-    hints = c.extra.get("hints", "")
-    base = c.detail[:len(c.detail) - len(hints)] if hints else c.detail
-    return dataclasses.replace(c, detail=base + note + hints)
+_MEASURED = ("backward convention measured by the probe",)
 
 
 def _judge_backward(j: _Judging, st: Stage, pinned: str | None = None) -> list:
-    """Section 6 backward under the two conventions for ``out`` in ``Delta``: the first
-    convention (``"given"``, then ``"recomputed"``; only the pinned one when the adapter pins
-    one) under which every gradient passes is the one the implementation follows. When none
-    holds, the checks of the convention that came closest (fewest failing gradients, then the
-    smallest worst ratio) are reported, failing, with both conventions' worst ratios. Rows with no key must have ``dq == 0``."""
-    tried: dict = {}
-    chosen = None
-    for conv in (pinned,) if pinned else BACKWARD_CONVENTIONS:
-        tried[conv] = _backward_under(j, st, conv)
-        if all(c.passed for c in tried[conv][0]):
-            chosen = conv
-            break
-    closest = chosen or min(tried, key=lambda c: (sum(not r.passed for r in tried[c][0]),
-                                                  _worst(tried[c][0])))
-    ratios = {c: _worst(t[0]) for c, t in tried.items()}
-    extra = {"convention": closest, "convention_pinned": pinned is not None,
-             "convention_holds": chosen is not None, "convention_worst_ratios": ratios}
-    note = ""
-    if chosen is None:
-        under = ", ".join(f"{c} {r:.3g}" for c, r in ratios.items())
-        note = (f"; fails under the {'pinned ' if pinned else ''}backward convention"
-                f"{'' if pinned else 's'} of contract section 6 (worst ratio {under}); "
-                f"closest: {closest}")
-    results, g_o, bounds = tried[closest]
-    checks = [_tagged(c if c.passed else _with_note(c, note), c.extra["quantity"], **extra)
-              for c in results]
+    """Section 6 backward under ONE convention for ``out`` in ``Delta``, never the looser of
+    two: the one the adapter declares (``pinned``), else the one measured by the probe
+    (:func:`_measure_convention`, op level: a backward that follows the ``out`` it is handed is
+    "given"; one that does not recomputes its forward, and ``Delta`` comes from that forward's
+    unrounded ``out`` ("recomputed") or from its stored, rounded ``out``, bit for bit the one
+    it was handed ("given"): the closer of the two), else, for the packed layer (which takes
+    no ``out``), the one the probe measured on the adapter's attention backward op of the same
+    case, else the one the gradients are closer to. Each expectation has its own tight bound. A declaration the probe contradicts is a failed ``convention`` check. Rows
+    with no key must have ``dq == 0``."""
+    usable = not ({"out", "lse"} & set(j.blocked))
+    measured, how = _measure_convention(j, st) if j.probe and usable else (None, "no probe")
+    checks = []
+    if pinned is not None and measured is not None:
+        ok = measured == pinned
+        checks.append(_tagged(CheckResult(
+            "backward convention", "convention", ok, None, None,
+            f"declared {pinned!r}, measured {measured!r} ({how})" + (
+                "" if ok else ": the backward does not form Delta = <dO, out> the way its "
+                "adapter declares (attribute backward_convention)")), "convention"))
+    if measured is not None and j.cache is not None:
+        j.cache[_MEASURED] = measured           # for the packed layer of the same case
+
+    def closest(convs):
+        """The convention whose expectation the gradients are nearer to, in units of the
+        tighter "given" bound for both (never the one whose own bound is wider)."""
+        _, unit = _expected_backward(j, st, "given")
+        far = {}
+        for c in convs:
+            g_c, _ = _expected_backward(j, st, c)
+            far[c] = max((_max_ratio(j.got[n].detach().to("cpu", F64), e, b)
+                          for n, e, b in zip(_GRADS, g_c, unit)
+                          if n in j.got and tuple(j.got[n].shape) == tuple(e.shape)),
+                         default=math.inf)
+        return min(convs, key=lambda c: far[c])
+    if pinned is not None:
+        conv, source = pinned, "declared"
+    elif measured == "given":
+        conv, source = measured, "probe"
+    elif measured == "recomputed":
+        # it recomputes its forward: Delta from that forward's unrounded out, or from its stored
+        # (rounded) out, which is the out it was handed: each judged with its own tight bound
+        conv, source = closest(("recomputed", "given")), "probe"
+    elif j.probe is None and j.cache is not None and _MEASURED in j.cache:
+        conv, source = j.cache[_MEASURED], "probe on the op"
+        if conv == "recomputed":
+            conv = closest(("recomputed", "given"))
+    else:
+        conv, source = closest(BACKWARD_CONVENTIONS), "closest"
+    results, g_o, bounds = _backward_under(j, st, conv)
+    extra = {"convention": conv, "convention_source": source, "convention_pinned":
+             pinned is not None}
+    checks += [_tagged(c, c.extra["quantity"], **extra) for c in results]
     if "dq" in j.got:
         dq = j.got["dq"].detach().to("cpu")
         empty = _sink_only_rows(j)
@@ -910,6 +1000,9 @@ def _judge_stage(j: _Judging, st: Stage, pinned: str | None) -> list:
     consume (that output's own check failed on its non-finite pattern or shape)."""
     reads = [_QUANTITY_OF.get(r, r) for r in st.reads]
     blocked = [r for r in reads if r in j.blocked]
+    if st.op == "sparse_attention_backward" and pinned == "recomputed":
+        # a backward that recomputes its forward never reads the out and lse it is handed
+        blocked = [r for r in blocked if r not in ("out", "lse")]
     if blocked:
         r = blocked[0]
         return _not_judged_stage(j, st, f"it consumed {r}, which the oracle cannot take as an "
@@ -960,12 +1053,14 @@ def judge(case, x: dict, got: dict, *, precision, consumed: dict | None = None,
                         f"Precision, got {type(precision).__name__}")
     con = dict(got if consumed is None else consumed)
     declared = con.pop("backward_convention", None)
+    probe = con.pop(PROBE, None)
     not_run = con.pop("not_run", {})
     pinned = convention if convention is not None else declared
     if pinned is not None and pinned not in BACKWARD_CONVENTIONS:
         raise ValueError(f"convention must be one of {BACKWARD_CONVENTIONS} or None, got "
                          f"{pinned!r}")
     j = _Judging(case, x, got, con, precision, cache, maps, oracle_device, policies)
+    j.probe = {k: v.detach().to("cpu") for k, v in probe.items()} if probe else None
     stages = [st for st in STAGES if st.applies(case) and any(w in got for w in st.writes)]
     for st in stages:                    # a usage error, not a verdict: raise before judging
         j.prec(st.op)

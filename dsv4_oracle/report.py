@@ -20,6 +20,7 @@ import os
 import platform
 import sys
 import xml.etree.ElementTree as ET
+from typing import Callable
 
 import torch
 
@@ -29,7 +30,7 @@ from .runner import LEVELS, RunResult
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "quantity_rows", "report_dict", "validate_report",
            "format_summary", "format_case", "write_report", "write_junit", "fmt_ratio",
-           "backward_conventions"]
+           "backward_conventions", "backward_convention_sources"]
 
 SCHEMA = "dsv4-oracle/check-report"
 # 2: every check has a status (passed / failed / not_judged); the summary counts checks not
@@ -115,31 +116,48 @@ def _worst(result: RunResult):
     return best
 
 
-def backward_conventions(result: RunResult) -> dict:
-    """Per level, how many cases' attention backward holds under each convention of contract
-    section 6 (``"given"``: ``Delta`` from the ``out`` it was handed; ``"recomputed"``: from its
-    own forward), and how many hold under none (``"none"``)."""
+_CONVENTION_SOURCES = {"probe": "measured", "probe on the op": "measured on the op",
+                       "declared": "declared", "closest": "closest"}
+
+
+def _convention_counts(result: RunResult, key: Callable) -> dict:
     out: dict = {}
     for o in result.outcomes:
         seen = {}
         for c in o.checks:
-            conv = c.extra.get("convention")
-            if conv is not None:
-                lv = c.extra.get("level", "op")
-                seen[lv] = conv if c.extra.get("convention_holds") else "none"
-        for lv, conv in seen.items():
+            if c.extra.get("convention") is not None and c.extra.get("convention_source"):
+                seen[c.extra.get("level", "op")] = key(c.extra)
+        for lv, k in seen.items():
             d = out.setdefault(lv, {})
-            d[conv] = d.get(conv, 0) + 1
+            d[k] = d.get(k, 0) + 1
     return out
 
 
-def _conventions_line(conv: dict) -> str | None:
+def backward_conventions(result: RunResult) -> dict:
+    """Per level, how many cases' attention backward was judged under each convention of
+    contract section 6 (``"given"``: ``Delta`` from the ``out`` it was handed;
+    ``"recomputed"``: from its own forward)."""
+    return _convention_counts(result, lambda e: e["convention"])
+
+
+def backward_convention_sources(result: RunResult) -> dict:
+    """Per level, how the convention was known, in how many cases: ``"measured"`` (the probe),
+    ``"measured on the op"`` (the packed layer, from its op's probe), ``"declared"`` (the
+    adapter's ``backward_convention``), ``"closest"`` (no probe, or a case that cannot tell
+    the two apart: the convention the gradients are closer to)."""
+    return _convention_counts(result, lambda e: _CONVENTION_SOURCES.get(
+        e["convention_source"], e["convention_source"]))
+
+
+def _conventions_line(conv: dict, sources: dict) -> str | None:
     if not conv:
         return None
     parts = []
     for lv, d in conv.items():
+        how = ", ".join(f"{k} in {n}" for k, n in sorted(sources.get(lv, {}).items()))
         parts.append(f"{lv}: " + ", ".join(f"{k} in {n} case{'s' * (n != 1)}"
-                                           for k, n in sorted(d.items())))
+                                           for k, n in sorted(d.items()))
+                     + (f" ({how})" if how else ""))
     return ("backward convention (contract section 6; 'given': Delta from the out it was "
             "handed, 'recomputed': from its own forward): " + "; ".join(parts))
 
@@ -192,6 +210,7 @@ def report_dict(result: RunResult, *, argv=None) -> dict:
                     "checks": n_checks, "checks_failed": n_failed,
                     "checks_not_judged": n_not_judged,
                     "backward_conventions": backward_conventions(result),
+                    "backward_convention_sources": backward_convention_sources(result),
                     "worst_ratio": _json_ratio(worst[0]) if worst else None,
                     "worst": ({"case": worst[1], "level": worst[2], "quantity": worst[3]}
                               if worst else None)},
@@ -368,7 +387,7 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
                "<= 1 passes; 'exact' = checked for equality; 'not judged' = checks that cannot "
                "fail: every element ill-conditioned (bound >= |oracle|), nothing to compare, or "
                "an upstream output the oracle cannot consume)")
-    conv = _conventions_line(backward_conventions(result))
+    conv = _conventions_line(backward_conventions(result), backward_convention_sources(result))
     if conv:
         out.append(conv)
     errors = [o for o in result.outcomes if o.error]
@@ -507,7 +526,7 @@ def _markdown(d: dict, images: list[str]) -> str:
               "is not judged when it cannot fail: every element ill-conditioned (its bound "
               "reaches the oracle's magnitude), nothing to compare, or an upstream output the "
               "oracle cannot consume; it is counted, never as a pass.", ""]
-    conv = _conventions_line(s["backward_conventions"])
+    conv = _conventions_line(s["backward_conventions"], s.get("backward_convention_sources", {}))
     if conv:
         lines += ["- " + conv, ""]
     lines += ["## Quantities", "",

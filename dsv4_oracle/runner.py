@@ -35,6 +35,7 @@ from .compare import CheckResult, check_grad_mode_parity, check_no_mutation, che
 from .conformance import (FORWARD_OUTPUTS, OpError, judge, layer_applies, run_layer, run_ops,
                           tensors_of)
 from .invoke import op_timeout
+from .rejections import REJECTION_CASES, check_rejections
 
 __all__ = ["CATALOGS", "CaseOutcome", "RunResult", "SelectionError", "select_cases", "quick_ids",
            "check_case", "run_check", "LEVELS", "STRUCTURAL", "precision_summary",
@@ -196,9 +197,10 @@ def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache
     """The checks of one level of one case, and the backends that ran."""
     policies = adapter.policies
 
-    def once(backward=True):
+    def once(backward=True, probe=False):
         if level == "op":
-            return run_ops(adapter, case, x, ops=ops, backward=backward, policies=policies)
+            return run_ops(adapter, case, x, ops=ops, backward=backward, policies=policies,
+                           probe=probe)
         return run_layer(adapter, case, x, backward=backward)
     runs: list = []
 
@@ -208,7 +210,8 @@ def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache
         mode = ("torch.inference_mode()" if torch.is_inference_mode_enabled() else
                 "torch.no_grad()" if not torch.is_grad_enabled() else None)
         try:
-            r = once(backward=mode is None)
+            # the judged run (the first, grad-enabled) also probes the backward's convention
+            r = once(backward=mode is None, probe=mode is None and not runs)
         except OpError as exc:
             if mode is None:
                 raise
@@ -235,6 +238,8 @@ def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache
                             f"the oracle cannot evaluate the implementation's intermediates: "
                             f"{type(exc).__name__}: {exc}")]
     checks += [_with(v, level=level) for v in verdicts]
+    if level == "op" and case.id in REJECTION_CASES:
+        checks += check_rejections(adapter, case, x, first.consumed, policies=policies)
     parity = box[0]
     checks.append(_with(parity, quantity="grad_modes", level=level))
     checks.append(_with(nm, quantity="no_mutation", level=level))

@@ -23,9 +23,13 @@ replace the two functions' bodies with calls into your code.
 Note: a backward that ignores the saved ``out`` and recomputes the forward under autograd
 (``torch.autograd.grad`` through the float32 forward) computes ``Delta = <dO, out>`` from the
 unrounded float32 output instead of the bf16 ``out`` it was given. Contract section 6 allows
-both conventions; the checker judges the backward under each ("given" and "recomputed") and
-reports the one that holds. An adapter may pin its convention with the attribute
-``backward_convention``.
+both conventions; the checker measures which one a backward follows (it calls the backward once
+more with a moved ``out`` and sees whether the gradients follow it) and judges it under that one
+only. An adapter may declare its convention with the attribute ``backward_convention``; a
+declaration the measurement contradicts fails.
+
+The two argument checks (``_checked``) are the values contract section 6 says an op must
+refuse: ``check`` hands them to the ops on a few cases (quantity ``rejects``).
 """
 from __future__ import annotations
 
@@ -121,24 +125,40 @@ class MegatronStyleAdapter:
         return torch.where(ok, ids, torch.full_like(ids, -1))
 
     @staticmethod
+    def _checked(ids, lse=None):
+        """The values the contract says an op must refuse (section 6), before any work: an
+        unsigned 64-bit id has no signed value (wrapping it would turn an invalid id into "no
+        selection"), and a NaN ``lse`` makes every probability of its row undefined."""
+        if ids.dtype == getattr(torch, "uint64", None):
+            raise TypeError("ids: unsigned 64-bit ids are not accepted (contract section 6); "
+                            "pass int32 or int64")
+        if lse is not None and bool(torch.isnan(lse).any()):
+            raise ValueError("lse holds NaN; the backward needs the forward's lse (contract "
+                             "section 6)")
+
+    @staticmethod
     def _their_sink(sink):
         """A +inf sink takes all the mass: the largest finite float32 does the same (every
         key's weight underflows to exactly 0) without the inf - inf of a softmax."""
         return sink.float().clamp(max=torch.finfo(torch.float32).max)
 
     # -- the protocol's ops (argument names and order of the oracle, ``reference``) -----------
-    def sparse_attention_forward(self, q, kv, ids, sink, *, v_dim=None, lengths=None):
+    def sparse_attention_forward(self, q, kv, ids, sink, *, v_dim=None, lengths=None,
+                                 scale=None):
+        self._checked(ids)
         out, lse = dsa_sink_attention_fwd(q, kv, self._their_ids(ids, kv.shape[0], lengths),
-                                          self._their_sink(sink), q.shape[-1] ** -0.5,
+                                          self._their_sink(sink),
+                                          q.shape[-1] ** -0.5 if scale is None else scale,
                                           kv.shape[1] if v_dim is None else v_dim)
         inf = torch.full_like(lse, float("inf"))
         return out, torch.where(torch.isneginf(lse), inf, lse)   # contract: +inf without keys
 
     def sparse_attention_backward(self, q, kv, ids, sink, out, lse, dout, *, v_dim=None,
-                                  lengths=None):
+                                  lengths=None, scale=None):
+        self._checked(ids, lse)
         ninf = torch.full_like(lse, float("-inf"))
         lse = torch.where(torch.isposinf(lse), ninf, lse)       # back to their convention
         return dsa_sink_attention_bwd(q, kv, self._their_ids(ids, kv.shape[0], lengths),
                                       self._their_sink(sink), out, lse, dout,
-                                      q.shape[-1] ** -0.5,
+                                      q.shape[-1] ** -0.5 if scale is None else scale,
                                       kv.shape[1] if v_dim is None else v_dim)

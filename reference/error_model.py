@@ -185,7 +185,7 @@ def _gathered(q, kv, ids, valid, r0, r1, scale):
 
 
 def attention_forward_bound(q, kv, ids, sink, out, lse, *, precision, scale=None, v_dim=None,
-                            lengths=None, chunk_rows=None):
+                            lengths=None, chunk_rows=None, stored=True):
     """Section 12 bound for the section 6 forward: ``(bound_out [T,H,Dv], bound_lse [T,H])``.
 
     ``out`` and ``lse`` are the oracle's outputs (:func:`sparse_attention_forward` on the same
@@ -197,6 +197,10 @@ def attention_forward_bound(q, kv, ids, sink, out, lse, *, precision, scale=None
 
     Rows with no valid slot (``lse = +inf``) get bound 0: their ``out`` must be exactly 0 and
     their ``lse`` exactly ``+inf`` (compared exactly).
+
+    ``stored=False``: the bound of an ``out`` that is never stored (a backward's own recomputed
+    forward, contract section 6's "recomputed" convention): without the final rounding of
+    ``out`` to the io precision (``u_o |out| + eta_o``).
     """
     u = _units(precision)
     q, kv, ids, sink, scale, dv, lengths = _attention_inputs(q, kv, ids, sink, scale, v_dim, lengths)
@@ -228,8 +232,9 @@ def attention_forward_bound(q, kv, ids, sink, out, lse, *, precision, scale=None
         vabs = kabs[:, :, :dv]
         pv = torch.bmm(p, vabs)                                                 # P @ |v|
         mask_v = torch.bmm(valid[r0:r1].to(F64).unsqueeze(1), vabs)             # 1 @ |v|  [n,1,Dv]
-        b = (rel_p + 2 * nv * u.a).unsqueeze(-1) * pv + (u.ea + u.eo) * mask_v \
-            + u.o * out[r0:r1].abs() + u.eo
+        b = (rel_p + 2 * nv * u.a).unsqueeze(-1) * pv + (u.ea + u.eo) * mask_v
+        if stored:
+            b = b + u.o * out[r0:r1].abs() + u.eo
         bound_out[r0:r1] = b.masked_fill(empty.unsqueeze(-1), 0.0)
         logn = torch.log(nv.clamp_min(1.0))
         bl = u.a * ((D + 4) * m_abs + nv + 2 * logn + 5) + (2 * u.a + u.s) * l0.abs()
