@@ -688,8 +688,8 @@ def _expected_backward(j: _Judging, st: Stage, convention: str, out=None) -> tup
     ``Delta`` from the ``out``/``lse`` the implementation was given (``"given"``; ``out``
     replaces the given ``out``, for the probe) or from the oracle's own float64 forward on the
     consumed ``q``, ``kv``, ids and sink (``"recomputed"``). The recomputed ``out`` is charged
-    what a forward in the declared precision errs when it never stores ``out``
-    (``attention_forward_bound(stored=False)``)."""
+    what a forward errs whose ``P`` and ``out`` stay in the accumulator's precision and are never
+    stored (``attention_forward_bound(stored=False)`` at ``io = acc``)."""
     override = {} if out is None else {"out": out}
     p = j.prec(st.op)
     out_error = None
@@ -698,8 +698,11 @@ def _expected_backward(j: _Judging, st: Stage, convention: str, out=None) -> tup
         override = {"out": out_o, "lse": lse_o}
     v = j.reads(st, **override)
     if convention == "recomputed":
+        # the backward's own forward: P and out stay in the accumulator's precision (a
+        # recomputation that rounds its out to io has the out it was handed: "given")
+        inner = EM.Precision(acc=p.acc, io=p.acc, stats=p.stats)
         out_error = j.memo(("bound", "recomputed out", p), lambda: EM.attention_forward_bound(
-            v["q"], v["kv"], v["ids"], v["sink"], out_o, lse_o, precision=p,
+            v["q"], v["kv"], v["ids"], v["sink"], out_o, lse_o, precision=inner,
             v_dim=j.case.v_dim, lengths=v["att_lengths"], scale=j.case.scale,
             stored=False)[0], *(v[r] for r in ("q", "kv", "ids", "sink", "att_lengths")))
     g_o = j.oracle(st, **override)

@@ -303,7 +303,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _m("delta-recomputed", "Delta from the backward's own unrounded float32 out instead of "
        "the out it is handed (autograd style)",
        (TB, "delta = (dout[r0:r1].to(F32) * out[r0:r1].to(F32)).sum(dim=-1)       # [n, H]",
-        "o32 = _mm(_operand(p, kv), kg[:, :, :dv])\n"
+        "o32 = _mm(p, kg[:, :, :dv])\n"
         "        delta = (dout[r0:r1].to(F32) * o32).sum(dim=-1)"),
        first=["padding-edge-layout"],
        expect="survives",
