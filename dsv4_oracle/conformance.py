@@ -731,8 +731,9 @@ def _measure_convention(j: _Judging, st: Stage) -> tuple:
     probe (:func:`convention_probe`: the same call with ``out`` moved by ``dout``) a backward of
     the "given" convention moves by ``D``, the oracle's own change between the two ``out``s
     (``Delta`` moves by ``|dout|^2``); one of the "recomputed" convention does not move. The
-    observed change is compared with ``D`` and with 0 in units of the judged run's "given"
-    bound; the closer one is the convention. ``None`` when ``D`` is within twice that bound
+    observed change of ``dq`` and ``dsink`` (both follow ``Delta`` row by row) is compared with
+    ``D`` and with 0 in units of the judged run's "given" bound; the closer one is the
+    convention. ``None`` when ``D`` is within twice that bound
     everywhere (the case cannot tell the conventions apart, e.g. no row has keys) or a shape
     differs."""
     probe = j.probe
@@ -740,8 +741,8 @@ def _measure_convention(j: _Judging, st: Stage) -> tuple:
     g_moved = j.oracle(st, out=probe["out"])
     apart, r_giv, r_rec = 0.0, 0.0, 0.0
     for name, e0, e1, b in zip(_GRADS, g_main, g_moved, b_main):
-        if name not in j.got or name not in probe:
-            continue
+        if name == "dkv" or name not in j.got or name not in probe:
+            continue                # dq and dsink follow Delta row by row; dkv adds nothing
         a0, a1 = j.got[name].detach().to("cpu", F64), probe[name].to(F64)
         if tuple(a0.shape) != tuple(e0.shape) or tuple(a1.shape) != tuple(e0.shape):
             return None, "a gradient has the wrong shape"

@@ -309,6 +309,50 @@ MUTANTS: tuple[Mutant, ...] = (
        expect="survives",
        reason="contract section 6 allows both conventions for out in Delta; this one is the "
               "\"recomputed\" convention, which the checker judges next to \"given\""),
+    _m("delta-bf16", "Delta = <dO, out> kept in bfloat16 (a kernel-style backward that rounds "
+       "its row statistic to the operand dtype)",
+       (TB, "delta = (dout[r0:r1].to(F32) * out[r0:r1].to(F32)).sum(dim=-1)       # [n, H]",
+        "delta = (dout[r0:r1].to(F32) * out[r0:r1].to(F32)).sum(dim=-1).to(torch.bfloat16)"
+        ".to(F32)"),
+       first=["padding-edge-layout", "sink-mixed"]),
+    _m("dsink-bf16-rows", "dsink accumulated row by row in bfloat16",
+       (TB, "        dsink += -(p_sink * delta).sum(dim=0)\n",
+        "        for row in -(p_sink * delta):\n"
+        "            dsink = (dsink.to(torch.bfloat16) + row.to(torch.bfloat16)).to(F32)\n"),
+       first=["padding-edge-layout", "sink-mixed"]),
+    _m("backward-lse-bf16", "the backward rebuilds P from an lse rounded to bfloat16",
+       (TB, "        l = lse[r0:r1].to(F32)\n        s = (_mm(q[r0:r1], kg.transpose(1, 2)) * scale)"
+        ".masked_fill(~valid.unsqueeze(1), -INF)\n        p, empty = _row_probabilities(s, l, "
+        "sink32)",
+        "        l = lse[r0:r1].to(torch.bfloat16).to(F32)\n        s = (_mm(q[r0:r1], "
+        "kg.transpose(1, 2)) * scale).masked_fill(~valid.unsqueeze(1), -INF)\n        p, empty "
+        "= _row_probabilities(s, l, sink32)"),
+       first=["large-logits", "padding-edge-layout"]),
+    _m("sink-bf16", "the forward uses the sink rounded to bfloat16",
+       (TB, "    reject_nan(sink=sink)\n    T, H, D = q.shape\n    S, K = kv.shape[0], "
+        "ids.shape[1]\n    dev = q.device\n    sink32 = sink.to(F32)",
+        "    reject_nan(sink=sink)\n    T, H, D = q.shape\n    S, K = kv.shape[0], "
+        "ids.shape[1]\n    dev = q.device\n    sink32 = sink.to(torch.bfloat16).to(F32)"),
+       first=["dtype-float32", "dtype-float64"]),
+    _m("topk-nan-first", "NaN scores are ranked first instead of raising ValueError",
+       (TB, "    s, k, order, align, width, _ = validate_stable_topk(scores, k, order, align, "
+        "deterministic)",
+        "    if isinstance(scores, torch.Tensor) and scores.is_floating_point():\n"
+        "        scores = torch.nan_to_num(scores, nan=INF)\n"
+        "    s, k, order, align, width, _ = validate_stable_topk(scores, k, order, align, "
+        "deterministic)"),
+       first=["padding-edge-layout", "dsa-padded"]),
+    _m("ids-wrap-at-2p17", "the gather wraps key ids at 2^17 (17-bit index packing)",
+       (TB, "    safe = torch.where(ok, ids, torch.full_like(ids, num_keys)).to(torch.int64)",
+        "    safe = torch.where(ok, ids % (1 << 17), torch.full_like(ids, num_keys))"
+        ".to(torch.int64)"),
+       first=["hazard-large-key-buffer"]),
+    _m("lengths-int32", "topk_length narrowed to int32 before use",
+       (TB, "        ok &= torch.arange(ids.shape[1], device=ids.device).unsqueeze(0) < "
+        "lengths.unsqueeze(1)",
+        "        ok &= torch.arange(ids.shape[1], device=ids.device).unsqueeze(0) < "
+        "lengths.to(torch.int32).unsqueeze(1)"),
+       first=["hazard-int64-lengths"]),
     _m("input-mutated-in-place", "the backward zeroes dout of rows with no valid slot in the "
        "caller's tensor (results stay right)",
        (TB, "        p = p.masked_fill(empty.unsqueeze(-1), 0.0)\n",
@@ -360,6 +404,22 @@ MUTANTS: tuple[Mutant, ...] = (
        "the whole row's teacher instead of that head alone",
        (TB, "any_live = live.any(dim=1, keepdim=True)", "any_live = live.all(dim=1, keepdim=True)"),
        first=["sink-mixed"]),
+    _m("teacher-linear-domain", "the teacher computed in the linear domain, exp(s - LSEf) "
+       "summed (underflows to 0 at huge sinks and large logits)",
+       (TB, "        per_c = torch.logsumexp(log_a, dim=1)                                 # [n, Kc]\n"
+        "        norm = torch.logsumexp(per_c, dim=1, keepdim=True)\n"
+        "        norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))\n"
+        "        tau = torch.where(massive, torch.exp(per_c - norm), torch.zeros_like(per_c))",
+        "        a_lin = torch.exp(log_a).sum(dim=1)\n"
+        "        z_lin = a_lin.sum(dim=1, keepdim=True)\n"
+        "        tau = torch.where(massive & (z_lin > 0), a_lin / z_lin.clamp_min(1e-38), "
+        "torch.zeros_like(a_lin))"),
+       first=["sink-large", "large-logits"]),
+    _m("student-log-unclipped", "the KL takes log p without the floor (a student that "
+       "underflows to 0 gives an infinite KL)",
+       (TB, "    terms = a * (torch.log(a) - torch.log(torch.clamp_min(p, floor)))",
+        "    terms = a * (torch.log(a) - torch.log(p))"),
+       first=["indexer-score-spread"]),
     _m("loss-floor-wrong", "loss clip floor 1e-6 (a common eps) instead of FLT_MIN",
        (TB, "kl[r0:r1] = _kl(tau, p, massive, floor)", "kl[r0:r1] = _kl(tau, p, massive, 1e-6)"),
        first=["indexer-score-spread"]),
@@ -526,36 +586,64 @@ class MutantResult:
     cases_run: int = 0
     elapsed_s: float = 0.0
     detail: str = ""
+    killers: list | None = None      # with ``depth``: every killing case's first failure
+
+    @property
+    def depth(self) -> int | None:
+        """How many cases kill the mutant (``None`` unless run with ``depth``)."""
+        return None if self.killers is None else len(self.killers)
+
+    @property
+    def categories(self) -> list:
+        """The catalog categories of the killing cases (``depth`` runs)."""
+        return sorted({c for k in (self.killers or []) for c in k.get("categories", ())})
+
+    @property
+    def shallow(self) -> bool:
+        """A bug mutant that fewer than :data:`MIN_DEPTH` cases, or cases of a single category,
+        kill: one edited case and its defect class is unguarded."""
+        return (self.killers is not None and self.mutant.expect == "killed" and
+                self.status == "killed" and (self.depth < MIN_DEPTH or
+                                             len(self.categories) < MIN_DEPTH))
 
     @property
     def as_expected(self) -> bool:
         if self.status in ("stale", "error"):
             return False
         want_killed = self.mutant.expect == "killed"
-        return (self.status == "killed") == want_killed
+        return (self.status == "killed") == want_killed and not self.shallow
 
     def to_dict(self) -> dict:
         return {"mutant": self.mutant.name, "description": self.mutant.description,
                 "files": list(self.mutant.files), "expect": self.mutant.expect,
                 "reason": self.mutant.reason, "status": self.status, "killer": self.killer,
                 "cases_run": self.cases_run, "elapsed_s": round(self.elapsed_s, 2),
-                "as_expected": self.as_expected, "detail": self.detail}
+                "as_expected": self.as_expected, "detail": self.detail,
+                "kill_depth": self.depth, "killers": self.killers,
+                "killer_categories": self.categories if self.killers is not None else None}
 
 
 def _killer(outcome) -> dict:
+    cats = list(outcome.case.categories)
     if outcome.error is not None:
         return {"case": outcome.case.id, "level": "-", "quantity": "materialize",
-                "check": "materialize", "detail": outcome.error}
+                "check": "materialize", "detail": outcome.error, "categories": cats}
     c = outcome.failed_checks[0]
     return {"case": outcome.case.id, "level": c.extra.get("level", "?"),
             "quantity": c.extra.get("quantity", "?"), "check": c.name,
-            "detail": c.detail[:300]}
+            "detail": c.detail[:300], "categories": cats}
+
+
+# a bug mutant must be killed by at least this many quick cases, of at least this many
+# different categories (``--depth``)
+MIN_DEPTH = 2
 
 
 def run_mutant(mutant: Mutant | None, cases, *, replays: int | None = None,
-               progress=None) -> MutantResult:
+               progress=None, depth: bool = False) -> MutantResult:
     """Run one in-process mutant (``None``: the unmutated backend) over ``cases`` in
-    :func:`case_order`, stopping at the first case with a failing check."""
+    :func:`case_order`, stopping at the first case with a failing check (``depth``: running
+    every case, and recording every killing case in ``killers``)."""
     from .runner import check_case
 
     m = mutant if mutant is not None else BASELINE
@@ -570,14 +658,19 @@ def run_mutant(mutant: Mutant | None, cases, *, replays: int | None = None,
                                           "detail": f"{type(exc).__name__}: {exc}"},
                             elapsed_s=time.perf_counter() - t0)
     n = 0
+    killers: list = []
     for case in case_order(m, cases):
         n += 1
         if progress:
             progress(m, case)
         outcome = check_case(adapter, case, replays=replays or m.replays)
         if not outcome.passed:
-            return MutantResult(m, "killed", _killer(outcome), n, time.perf_counter() - t0)
-    return MutantResult(m, "survived", None, n, time.perf_counter() - t0)
+            killers.append(_killer(outcome))
+            if not depth:
+                break
+    status = "killed" if killers else "survived"
+    return MutantResult(m, status, killers[0] if killers else None, n,
+                        time.perf_counter() - t0, killers=killers if depth else None)
 
 
 def _lane_copy(root: Path, dest: Path) -> None:
@@ -641,11 +734,13 @@ def select_mutants(names=()) -> list:
 
 
 def run_mutation(mutants, *, quick: bool = False, lanes: bool = False, baseline: bool = True,
-                 progress=None, on_result=None) -> list:
+                 progress=None, on_result=None, depth: bool = False) -> list:
     """Every mutant of ``mutants`` (plus the unmutated backend first, when ``baseline``) over
     the quick catalog (``quick``: only each mutant's own likely killers). Lane mutants run
     only with ``lanes``; otherwise they are reported with their lane and status ``"lane"``.
-    ``on_result(result)`` is called as each mutant finishes."""
+    ``on_result(result)`` is called as each mutant finishes. ``depth``: every mutant runs on
+    every quick case, and a bug mutant killed by fewer than :data:`MIN_DEPTH` cases or
+    categories is not as expected."""
     from .runner import select_cases
 
     cases, _ = select_cases("quick")
@@ -675,14 +770,16 @@ def run_mutation(mutants, *, quick: bool = False, lanes: bool = False, baseline:
         if quick:
             want = set(m.first) or {cases[0].id}
             pool = [c for c in cases if c.id in want]
-        add(run_mutant(m, pool, progress=progress))
+        add(run_mutant(m, pool, progress=progress, depth=depth))
     return results
 
 
 def _status(r: MutantResult) -> str:
     if r.status == "killed":
         k = r.killer
-        return f"killed by {k['case']} / {k['level']} / {k['quantity']}"
+        deep = (f"; by {r.depth} case(s) of {len(r.categories)} categor"
+                f"{'y' if len(r.categories) == 1 else 'ies'}" if r.killers is not None else "")
+        return f"killed by {k['case']} / {k['level']} / {k['quantity']}{deep}"
     if r.status == "survived":
         return "SURVIVED"
     if r.status == "lane":
@@ -702,14 +799,19 @@ def format_table(results, *, markdown: bool = False, width: int | None = None) -
         rows.append((r.mutant.name, r.mutant.description, _status(r), exp, r.cases_run,
                      r.elapsed_s, mark, r))
     if markdown:
-        out = ["| mutant | what it changes | result | cases run | time (s) |",
-               "|---|---|---|---:|---:|"]
+        deep = any(r.killers is not None for r in results)
+        out = ["| mutant | what it changes | result |"
+               + (" kill depth (cases / categories) |" if deep else "")
+               + " cases run | time (s) |",
+               "|---|---|---|" + ("---:|" if deep else "") + "---:|---:|"]
         for name, desc, st, exp, n, t, mark, r in rows:
             note = f" {exp}" if exp else ""
             if r.status == "killed" and r.killer:
                 st = (f"killed by `{r.killer['case']}` / {r.killer['level']} / "
                       f"{r.killer['quantity']}")
-            out.append(f"| `{name}` | {desc} | {st}{note}{mark} | {n} | {t:.1f} |")
+            d = (f" {r.depth} / {len(r.categories)} |" if r.killers is not None else
+                 " - |") if deep else ""
+            out.append(f"| `{name}` | {desc} | {st}{note}{mark} |{d} {n} | {t:.1f} |")
         return "\n".join(out)
     w = width or (max(len(x[0]) for x in rows) if rows else 10)
     out = []
@@ -734,6 +836,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "their pytest lane on a temporary copy of the repository")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the unmutated backend's run")
+    p.add_argument("--depth", action="store_true",
+                   help="run every mutant on every quick case and report its kill depth (the "
+                        "cases and categories that kill it); a bug mutant killed by fewer than "
+                        f"{MIN_DEPTH} cases or {MIN_DEPTH} categories is unexpected")
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
     p.add_argument("--json", metavar="FILE", default=None, help="write the results as JSON")
     p.add_argument("--markdown", metavar="FILE", default=None,
@@ -778,9 +884,13 @@ def main_mutate(args) -> int:
         print("dsv4-oracle mutate: error: --lanes runs the repository's own test suite: run it "
               "from a source checkout of dsv4-oracle", file=sys.stderr)
         return 2
+    if args.depth and args.quick:
+        print("dsv4-oracle mutate: error: --depth runs every quick case; it cannot be combined "
+              "with --quick", file=sys.stderr)
+        return 2
     results = run_mutation(mutants, quick=args.quick, lanes=args.lanes,
                            baseline=not args.no_baseline, progress=progress,
-                           on_result=on_result)
+                           on_result=on_result, depth=args.depth)
     bad = [r for r in results if not r.as_expected and r.status != "lane"]
     stale = [r for r in results if r.status == "stale"]
     killed = sum(r.status == "killed" for r in results if r.mutant.expect == "killed")

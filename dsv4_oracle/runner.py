@@ -56,9 +56,10 @@ class SelectionError(ValueError):
 def quick_ids() -> tuple[str, ...]:
     """The quick catalog: the curated regression subset of :data:`fixtures.STORED_CASES` (small
     cases that together touch every category but the large DSv4 shapes and the CP layouts that
-    must raise) plus one case with the DSv4 head shape (H 64, D 512, H_I 64, D_I 128)."""
+    must raise) plus :data:`fixtures.QUICK_UNSTORED`: one case with the DSv4 head shape (H 64,
+    D 512, H_I 64, D_I 128) and two key buffers above 2**17 rows read by a few query rows."""
     from dsv4_oracle import fixtures
-    return tuple(fixtures.STORED_CASES) + ("public-det-parity",)
+    return tuple(fixtures.STORED_CASES) + tuple(fixtures.QUICK_UNSTORED)
 
 
 def _runnable(cases):
