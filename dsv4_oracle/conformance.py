@@ -764,6 +764,12 @@ def _worst(checks: list) -> float:
 _MEASURED = ("backward convention measured by the probe",)
 
 
+def forget_measurements(cache: dict) -> None:
+    """Drop what a judge cache holds about the implementation (the convention its probe
+    measured), keeping the oracle's results: a cache reused for another implementation."""
+    cache.pop(_MEASURED, None)
+
+
 def _judge_backward(j: _Judging, st: Stage, pinned: str | None = None) -> list:
     """Section 6 backward under ONE convention for ``out`` in ``Delta``, never the looser of
     two: the one the adapter declares (``pinned``), else the one measured by the probe
@@ -838,11 +844,17 @@ def _judge_loss(j: _Judging, st: Stage) -> list:
     kw = j.kw(st)
     if j.pol["teacher"] == "dense":
         # the dense teacher's per-head normaliser is the implementation's own: within the
-        # section 6 bound of an lse over the same keys
-        kw["lse_error"] = j.memo(("bound", "dense lse", p), lambda: EM.attention_forward_bound(
-            v["q"], v["kv_cmp"], v["loss_ids"], v["sink"], *R.sparse_attention_forward(
-                v["q"], v["kv_cmp"], v["loss_ids"], v["sink"], scale=j.case.scale),
-            precision=p, scale=j.case.scale)[1], v["q"], v["kv_cmp"], v["sink"])
+        # section 6 bound of an lse over the same keys, plus the float32 rounding of the one
+        # the oracle is evaluated on (the dense lse handed to the op)
+        def dense_lse_error():
+            out_d, lse_d = R.sparse_attention_forward(v["q"], v["kv_cmp"], v["loss_ids"],
+                                                      v["sink"], scale=j.case.scale)
+            b = EM.attention_forward_bound(v["q"], v["kv_cmp"], v["loss_ids"], v["sink"], out_d,
+                                           lse_d, precision=p, scale=j.case.scale)[1]
+            return b + EM.Precision.unit_roundoff(torch.float32) * torch.where(
+                torch.isfinite(lse_d), lse_d.abs(), torch.zeros_like(lse_d))
+        kw["lse_error"] = j.memo(("bound", "dense lse", p), dense_lse_error,
+                                 v["q"], v["kv_cmp"], v["sink"])
     LB = j.memo(("bound", st.op, p, _kw_key({k: w for k, w in kw.items() if k != "lse_error"})),
                 lambda: EM.indexer_loss_bound(
         v["q"], v["kv_cmp"], v["sink"], v["loss_lse"], v["loss_ids"], v["scores"], j.olay, L,

@@ -640,10 +640,13 @@ MIN_DEPTH = 2
 
 
 def run_mutant(mutant: Mutant | None, cases, *, replays: int | None = None,
-               progress=None, depth: bool = False) -> MutantResult:
+               progress=None, depth: bool = False,
+               oracle_caches: dict | None = None) -> MutantResult:
     """Run one in-process mutant (``None``: the unmutated backend) over ``cases`` in
     :func:`case_order`, stopping at the first case with a failing check (``depth``: running
-    every case, and recording every killing case in ``killers``)."""
+    every case, and recording every killing case in ``killers``). ``oracle_caches``: case id
+    -> the judge's oracle cache, kept across mutants (the oracle's results on identical
+    consumed inputs are computed once)."""
     from .runner import check_case
 
     m = mutant if mutant is not None else BASELINE
@@ -663,7 +666,8 @@ def run_mutant(mutant: Mutant | None, cases, *, replays: int | None = None,
         n += 1
         if progress:
             progress(m, case)
-        outcome = check_case(adapter, case, replays=replays or m.replays)
+        cache = None if oracle_caches is None else oracle_caches.setdefault(case.id, {})
+        outcome = check_case(adapter, case, replays=replays or m.replays, oracle_cache=cache)
         if not outcome.passed:
             killers.append(_killer(outcome))
             if not depth:
@@ -745,6 +749,7 @@ def run_mutation(mutants, *, quick: bool = False, lanes: bool = False, baseline:
 
     cases, _ = select_cases("quick")
     results = []
+    caches: dict = {}                   # the oracle's results per case, shared by the mutants
 
     def add(r):
         results.append(r)
@@ -752,7 +757,7 @@ def run_mutation(mutants, *, quick: bool = False, lanes: bool = False, baseline:
             on_result(r)
 
     if baseline:
-        add(run_mutant(None, cases, progress=progress))
+        add(run_mutant(None, cases, progress=progress, oracle_caches=caches))
     for m in mutants:
         if m.lane:
             if lanes:
@@ -770,7 +775,7 @@ def run_mutation(mutants, *, quick: bool = False, lanes: bool = False, baseline:
         if quick:
             want = set(m.first) or {cases[0].id}
             pool = [c for c in cases if c.id in want]
-        add(run_mutant(m, pool, progress=progress, depth=depth))
+        add(run_mutant(m, pool, progress=progress, depth=depth, oracle_caches=caches))
     return results
 
 

@@ -34,6 +34,8 @@ torch import.
 """
 from __future__ import annotations
 
+import copy
+
 import importlib.util
 
 import pytest
@@ -202,7 +204,8 @@ def _adapter(implementation, precision):
         raise ValueError(f"implementation: {exc}") from None
 
 
-def assert_conforms(implementation, case, *, replays: int = 2, ops=None, precision=None):
+def assert_conforms(implementation, case, *, replays: int = 2, ops=None, precision=None,
+                    policies=None):
     """Check ``implementation`` on ``case`` exactly as ``dsv4-oracle check`` does; raise
     :class:`ConformanceError` (an ``AssertionError``) when any check fails.
 
@@ -214,7 +217,9 @@ def assert_conforms(implementation, case, *, replays: int = 2, ops=None, precisi
     ops (default: every op the implementation has; the oracle stands in for the others).
     ``precision``: the working precision the error model assumes (a
     :class:`reference.error_model.Precision`, a callable ``dtype -> Precision``, or a mapping op
-    -> either), overriding the implementation's own.
+    -> either), overriding the implementation's own. ``policies``: the named policies of
+    contract section 5.2 to judge under (a mapping policy name -> value; the others take the
+    contract's default), overriding the implementation's own ``policies``.
 
     The message of the error is the case's table of checks, failed ones first (case, level,
     quantity, check, ratio, detail). The test is skipped, with the reason, when the
@@ -234,6 +239,12 @@ def assert_conforms(implementation, case, *, replays: int = 2, ops=None, precisi
         raise ValueError(f"replays must be >= 0, got {replays}")
     the_case = _case(case)
     adapter = _adapter(implementation, precision)
+    if policies is not None:
+        adapter = copy.copy(adapter)            # never the caller's Adapter object
+        try:
+            adapter.set_policies(policies, forget_declared=True)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"policies: {exc}") from None
     if ops is not None:
         if isinstance(ops, str) or not all(isinstance(o, str) for o in ops):
             raise TypeError(f"ops must be a list of op names, got {ops!r}")

@@ -32,7 +32,8 @@ REJECTION_CASES = ("padding-edge-layout", "dsa-padded", "hostile-ids-int64")
 class Rejection(NamedTuple):
     """One rule: ``op`` must raise ``error`` naming ``argument`` when ``change`` (``(reads) ->
     reads`` with one value made illegal, or ``None`` when the case has no place for it) is
-    applied to the inputs it consumed (contract ``section``)."""
+    applied to the inputs it consumed (contract ``section``); ``applies(policies)``: whether
+    the op reads that value under the declared policies."""
 
     op: str
     what: str
@@ -40,6 +41,7 @@ class Rejection(NamedTuple):
     error: type
     argument: str
     change: Callable
+    applies: Callable = lambda pol: True
 
 
 def _first(mask: torch.Tensor):
@@ -113,7 +115,9 @@ REJECTIONS = (
     Rejection("sparse_attention_backward", "a NaN lse", "6", ValueError, "lse", _nan_lse),
     Rejection("sparse_indexer_loss", "+inf index score at a selected slot", "8", ValueError,
               "index_scores", _inf_selected_score),
-    Rejection("sparse_indexer_loss", "an lse of -inf", "8", ValueError, "lse", _neg_inf_lse),
+    # the dense teacher (section 5.2) normalises each head itself: it does not read lse
+    Rejection("sparse_indexer_loss", "an lse of -inf", "8", ValueError, "lse", _neg_inf_lse,
+              lambda pol: pol["teacher"] == "sparse"),
     Rejection("sparse_indexer_loss_grad", "a negative target", "8", ValueError, "target",
               _negative("target")),
     Rejection("sparse_indexer_loss_grad", "a negative predict", "8", ValueError, "predict",
@@ -149,7 +153,7 @@ def check_rejections(adapter, case, x: dict, consumed: dict, *, policies=None,
     lay = case.layout()
     for rule in REJECTIONS:
         st = _STAGE[rule.op]
-        if not adapter.has(rule.op) or not st.applies(case):
+        if not adapter.has(rule.op) or not st.applies(case) or not rule.applies(pol):
             continue
         try:
             v = {r: _read(case, r, x, consumed, pol=pol) for r in st.reads}

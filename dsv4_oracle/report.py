@@ -36,7 +36,8 @@ SCHEMA = "dsv4-oracle/check-report"
 # 2: every check has a status (passed / failed / not_judged); the summary counts checks not
 # judged and the backward convention per level; quantities count their not-judged checks
 SCHEMA_VERSION = 2
-CHECK_KINDS = ("numeric", "exact", "topk", "replay", "grad_mode", "no_mutation", "error")
+CHECK_KINDS = ("numeric", "exact", "topk", "replay", "grad_mode", "no_mutation", "error", "rejects",
+               "convention")
 NUMERIC = tuple(q for q in QUANTITIES if q in (
     "scores", "out", "lse", "dq", "dkv", "dsink", "loss", "kl", "target", "predict", "dq_idx",
     "dw", "dk_idx"))
@@ -442,6 +443,11 @@ def format_case(outcome, adapter=None) -> str:
     head = (f"dsv4-oracle: {who}case {c.id}: {n_failed} of {n} checks failed"
             + (f", {n_nj} not judged" if n_nj else ""))
     out = [head]
+    if adapter is not None:
+        from dsv4_oracle.reference.contract_policies import policy_line
+        pol = policy_line(adapter.policies)
+        if pol:
+            out.append(f"policies assumed (contract section 5.2): {pol}")
     if outcome.error:
         out.append(f"ERROR {c.id}: {outcome.error}")
     order = {"failed": 0, "not_judged": 1, "passed": 2}

@@ -32,8 +32,8 @@ import torch
 
 from .adapters import LAYER_OP, OPS, Adapter, AdapterError, looser_than_default
 from .compare import CheckResult, check_grad_mode_parity, check_no_mutation, check_replays
-from .conformance import (FORWARD_OUTPUTS, OpError, judge, layer_applies, run_layer, run_ops,
-                          tensors_of)
+from .conformance import (FORWARD_OUTPUTS, OpError, forget_measurements, judge, layer_applies,
+                          run_layer, run_ops, tensors_of)
 from .invoke import op_timeout
 from .rejections import REJECTION_CASES, check_rejections
 
@@ -262,10 +262,12 @@ def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache
 
 
 def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None,
-               oracle_device=None) -> CaseOutcome:
+               oracle_device=None, oracle_cache: dict | None = None) -> CaseOutcome:
     """Every check of ``adapter`` on ``case`` (see the module docstring). ``oracle_device``
     (default: the CPU) runs the oracle's float64 code on that device
-    (:func:`dsv4_oracle.conformance.judge`)."""
+    (:func:`dsv4_oracle.conformance.judge`). ``oracle_cache``: a dict kept by the caller for
+    this case across runs of several implementations (mutation testing): the oracle's results
+    are memoised there on the content hash of what they read."""
     t0 = time.perf_counter()
     out = CaseOutcome(case)
     try:
@@ -274,7 +276,7 @@ def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None,
         out.error = f"cannot materialize the case's inputs: {type(exc).__name__}: {exc}"
         out.elapsed_s = time.perf_counter() - t0
         return out
-    cache: dict = {}
+    cache: dict = {} if oracle_cache is None else oracle_cache
     op_ops = [o for o in OPS if adapter.has(o) and (ops is None or o in ops)]
     levels = []
     if op_ops:
@@ -309,6 +311,7 @@ def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None,
             # float64: a ratio just over 1 must not round to 1 in the plot
             out.maps[level] = {k: (v.detach().to("cpu").numpy() if isinstance(v, torch.Tensor)
                                    else v) for k, v in maps.items()}
+    forget_measurements(cache)              # what this implementation did stays with it
     if adapter.device.startswith("cuda"):
         torch.cuda.synchronize()
     out.elapsed_s = time.perf_counter() - t0
