@@ -503,6 +503,7 @@ class _Judging:
         self.blocked: dict = {}
         self.failed: set = set()
         self.probe: dict | None = None
+        self.record: dict | None = None
 
     def prec(self, op: str) -> EM.Precision:
         p = self.precision
@@ -570,6 +571,8 @@ class _Judging:
         """:func:`compare_numeric` of ``got[name]``, plus hints when it fails: where the
         over-bound elements concentrate, and whether ``-actual`` would pass (a flipped sign)."""
         actual = self.got[name]
+        if self.record is not None:
+            self.record[name] = (expected, bound)
         with self.comparing():
             res = compare_numeric(name, actual, expected, bound)
         if res.passed or res.ratio is None or not math.isfinite(res.ratio) or \
@@ -1041,7 +1044,7 @@ def _judge_stage(j: _Judging, st: Stage, pinned: str | None) -> list:
 def judge(case, x: dict, got: dict, *, precision, consumed: dict | None = None,
           cache: dict | None = None, maps: dict | None = None,
           convention: str | None = None, oracle_device=None,
-          policies=None) -> list[CheckResult]:
+          policies=None, record: dict | None = None) -> list[CheckResult]:
     """Every check of ``got`` against the oracle on the consumed inputs (section 12).
 
     ``x``: the case's inputs as the implementation received them; ``got``: its outputs (only
@@ -1059,7 +1062,8 @@ def judge(case, x: dict, got: dict, *, precision, consumed: dict | None = None,
     that device (``reference._checks.compute_on``); their results come back to the CPU.
     ``policies``: the policies of section 5.2 the implementation follows (a mapping policy name
     -> value; unnamed policies and ``None``: the contract's defaults): the oracle is evaluated
-    under them (``reference.contract_policies``).
+    under them (``reference.contract_policies``). ``record``, when a dict, receives per numeric
+    quantity judged the ``(expected, bound)`` it was judged against (the power table).
 
     Stages are judged in pipeline order; a stage that reads an output whose own check found it
     unusable (non-finite pattern or shape) reports its checks as not judged.
@@ -1077,6 +1081,7 @@ def judge(case, x: dict, got: dict, *, precision, consumed: dict | None = None,
                          f"{pinned!r}")
     j = _Judging(case, x, got, con, precision, cache, maps, oracle_device, policies)
     j.probe = {k: v.detach().to("cpu") for k, v in probe.items()} if probe else None
+    j.record = record
     stages = [st for st in STAGES if st.applies(case) and any(w in got for w in st.writes)]
     for st in stages:                    # a usage error, not a verdict: raise before judging
         j.prec(st.op)

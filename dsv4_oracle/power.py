@@ -88,23 +88,28 @@ QUANTITIES = ("scores", "out", "lse", "dq", "dkv", "dsink", "loss", "kl", "targe
               "dq_idx", "dw", "dk_idx")
 
 
-def case_power(case) -> list[PowerRow]:
-    """Every numeric quantity of ``case`` (op level, default precision of its dtype)."""
-    from dsv4_oracle import fixtures
+def case_power(case, policies=None) -> list[PowerRow]:
+    """Every numeric quantity of ``case`` (op level, default precision of its dtype), under
+    ``policies`` (contract section 5.2; default: the contract's): the expected values and
+    bounds the judge itself checks an implementation against (:func:`conformance.judge` on the
+    oracle's own outputs, ``record``)."""
     from .adapters import default_precision
+    from .conformance import judge, oracle_outputs
 
     x = case.materialize()
-    outputs = fixtures.run_oracle(case, x)
-    bounds = fixtures.oracle_bounds(case, x, outputs, precision=default_precision(case.torch_dtype))
-    return [power_of(case.id, q, outputs[q], bounds[q]) for q in QUANTITIES if q in bounds]
+    outputs = oracle_outputs(case, x, policies=policies)
+    rec: dict = {}
+    judge(case, x, outputs, precision=default_precision(case.torch_dtype), policies=policies,
+          record=rec)
+    return [power_of(case.id, q, *rec[q]) for q in QUANTITIES if q in rec]
 
 
-def power_table(cases, *, progress=None) -> list[PowerRow]:
+def power_table(cases, *, progress=None, policies=None) -> list[PowerRow]:
     rows = []
     for case in cases:
         if progress:
             progress(case)
-        rows += case_power(case)
+        rows += case_power(case, policies)
     return rows
 
 
@@ -154,6 +159,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--case", metavar="PATTERN", action="append", default=[],
                    help="case id or glob; repeatable")
     p.add_argument("--list", action="store_true", help="list the selected cases and exit")
+    p.add_argument("--policy", metavar="NAME=VALUE", action="append", default=[],
+                   help="the power under this named policy of contract section 5.2 "
+                        "(repeatable; default: the contract's defaults)")
     p.add_argument("--json", metavar="FILE", default=None, help="write the rows as JSON")
     p.add_argument("--markdown", metavar="FILE", default=None,
                    help="write the table as Markdown")
@@ -181,13 +189,21 @@ def main_power(args) -> int:
             print(c.id)
         print(f"{len(cases)} cases ({catalog} catalog)")
         return 0
+    try:
+        from dsv4_oracle.reference.contract_policies import resolve_policies
+        from .check import _parse_policies
+        pol, _ = _parse_policies(args.policy)
+        resolve_policies(pol, "--policy")
+    except (TypeError, ValueError) as exc:
+        print(f"dsv4-oracle power: error: --policy: {exc}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
 
     def progress(case):
         if sys.stderr.isatty():
             print(f"\r\033[K{case.id}", end="", file=sys.stderr, flush=True)
 
-    rows = power_table(cases, progress=progress)
+    rows = power_table(cases, progress=progress, policies=pol or None)
     if sys.stderr.isatty():
         print("\r\033[K", end="", file=sys.stderr)
     print(format_table(rows))
