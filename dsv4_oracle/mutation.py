@@ -667,7 +667,10 @@ def run_mutant(mutant: Mutant | None, cases, *, replays: int | None = None,
         if progress:
             progress(m, case)
         cache = None if oracle_caches is None else oracle_caches.setdefault(case.id, {})
-        outcome = check_case(adapter, case, replays=replays or m.replays, oracle_cache=cache)
+        reps = replays or m.replays
+        if depth and reps <= 2 and mutant is not None:
+            reps = 0            # the depth of a bug that replays do not reveal: no replays
+        outcome = check_case(adapter, case, replays=reps, oracle_cache=cache)
         if not outcome.passed:
             killers.append(_killer(outcome))
             if not depth:
