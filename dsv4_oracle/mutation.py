@@ -595,8 +595,9 @@ class MutantResult:
 
     @property
     def categories(self) -> list:
-        """The catalog categories of the killing cases (``depth`` runs)."""
-        return sorted({c for k in (self.killers or []) for c in k.get("categories", ())})
+        """The primary catalog categories (each case's first) of the killing cases (``depth``
+        runs): two killers of one category are one kind of input."""
+        return sorted({k["categories"][0] for k in (self.killers or []) if k.get("categories")})
 
     @property
     def shallow(self) -> bool:
