@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dsv4_oracle.adapters import load_adapter
+from dsv4_oracle.conformance import judge, oracle_outputs
 from dsv4_oracle.runner import check_case, select_cases
 from dsv4_oracle.fixtures import EXACT_OUTPUTS, catalog, get, oracle_bounds, run_oracle
 from dsv4_oracle.fixtures.production import PRODUCTION_ROWS, production_cases, production_layout
@@ -201,16 +202,29 @@ def test_cuda_oracle_matches_cpu_oracle(case):
                                      "nan-poison-edge-rows"])
 def test_judging_on_cuda_matches_judging_on_cpu(case_id):
     """With ``oracle_device="cuda"`` the oracle and the judge's numeric comparisons run on the
-    GPU: the same checks, the same verdicts, ratios equal within float64 rounding."""
+    GPU: the same checks, the same verdicts, and ratios that differ by no more than the two
+    oracles may (contract section 12: CUDA and CPU float64 results agree within twice the float64
+    oracle's own error bound). A ratio is ``|actual - expected| / bound``: a difference ``d`` of
+    the expected value moves it by ``d / bound``, which cancellation makes large relative to the
+    ratio itself when the implementation is very close (the loss of ``dsa-padded``: an error of
+    3e-10 on 2.3e-3), so the tolerance is ``2 B64 / bound`` at the worst element, ``B64`` the
+    float64 oracle's bound of that quantity, and not a relative one."""
     adapter = load_adapter("gpu_impl:torch")
     case = get(case_id)
     a = check_case(adapter, case, replays=1)
     b = check_case(adapter, case, replays=1, oracle_device="cuda")
     assert [(r.name, r.passed, r.judged, r.mismatches) for r in a.checks] == \
         [(r.name, r.passed, r.judged, r.mismatches) for r in b.checks]
+    x = case.materialize()
+    b64: dict = {}                      # the float64 oracle's own bounds, per quantity
+    judge(case, x, oracle_outputs(case, x), precision=E.ORACLE_PRECISION, record=b64)
     for r, s in zip(a.checks, b.checks):
-        if r.ratio is not None and math.isfinite(r.ratio):
-            assert s.ratio == pytest.approx(r.ratio, rel=1e-9, abs=1e-12), r.name
+        if r.kind != "numeric" or r.ratio is None or not math.isfinite(r.ratio):
+            continue
+        q = r.extra["quantity"]
+        at = r.extra.get("worst_bound") or 0.0
+        tol = 2 * float(b64[q][1].max()) / at if at > 0 and q in b64 else 0.0
+        assert abs(s.ratio - r.ratio) <= tol + 1e-12 * r.ratio, (r.name, r.ratio, s.ratio, tol)
     assert set(a.maps) == set(b.maps)
 
 
