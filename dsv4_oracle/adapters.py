@@ -20,7 +20,8 @@ computed. Built in: ``reference`` (the oracle itself: every ratio must be exactl
 of the runner), ``gpu_impl:torch`` (the portable backend), ``gpu_impl:cudnn`` (cuDNN/Triton
 kernels where they run the op's shapes, the torch backend for the rest, on CUDA). A user's own
 adapter is named ``module:attr`` or ``module`` (the current directory is importable), or
-``path/to/file.py:attr`` (the module is the file, named by its stem).
+``path/to/file.py:attr`` (the module is the file, named by its stem; the modules beside it
+import, as with ``python path/to/file.py``).
 
 ``precision`` may also be a mapping op name -> a Precision or a callable ``dtype -> Precision``,
 for adapters whose ops differ (ops it does not name, and the packed layer unless it names
@@ -377,24 +378,51 @@ def load_adapter(spec: str, device: str | None = None) -> Adapter:
     return Adapter(obj, name=name, device=device, spec=spec)
 
 
+def _module_name_for(stem: str, path: str) -> str:
+    """The name under which the adapter file ``path`` is registered in ``sys.modules``: its
+    stem, unless that names another module (the standard library's ``json``, an installed
+    package, a module already imported from elsewhere), which must keep its name for the rest
+    of the run; then a private name."""
+    other = sys.modules.get(stem)
+    if other is None:
+        try:
+            found = importlib.util.find_spec(stem)
+        except (ImportError, ValueError):
+            found = None
+        origin = getattr(found, "origin", None)
+    else:
+        origin = getattr(other, "__file__", None)
+    taken = stem in sys.stdlib_module_names or (
+        (other is not None or origin is not None)
+        and not (origin and os.path.abspath(origin) == path))
+    return f"_dsv4_oracle_adapter_{stem}" if taken else stem
+
+
 def _import_file(path: str, spec: str):
-    """``(module name, module)`` of the adapter file ``path`` (the module is named by the
-    file's stem and imported from that path)."""
+    """``(module name, module)`` of the adapter file ``path``, imported from that path. Its
+    folder is made importable, as ``python path`` does, so that the adapter imports the modules
+    beside it; the folder goes to the end of ``sys.path``, where it shadows no installed or
+    standard module. The module is named by the file's stem (:func:`_module_name_for`)."""
     if not os.path.isfile(path):
         why = "is a directory" if os.path.isdir(path) else "does not exist"
         raise AdapterError(f"--impl {spec}: the file {path!r} {why}")
-    name = os.path.splitext(os.path.basename(path))[0]
-    if not name.isidentifier():
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if not stem.isidentifier():
         raise AdapterError(f"--impl {spec}: the file name {os.path.basename(path)!r} is not a "
                            f"Python module name")
-    loader_spec = importlib.util.spec_from_file_location(name, os.path.abspath(path))
+    full = os.path.abspath(path)
+    folder = os.path.dirname(full)
+    if folder not in sys.path:
+        sys.path.append(folder)         # the modules beside the adapter import
+    name = _module_name_for(stem, full)
+    loader_spec = importlib.util.spec_from_file_location(name, full)
     if loader_spec is None or loader_spec.loader is None:
         raise AdapterError(f"--impl {spec}: cannot load {path!r} as a Python module")
     module = importlib.util.module_from_spec(loader_spec)
     previous = sys.modules.get(name)
     sys.modules[name] = module          # (dataclasses and pickling look the module up)
     try:
-        _guarded(f"cannot import module {name!r} for --impl {spec}",
+        _guarded(f"cannot import module {stem!r} for --impl {spec}",
                  loader_spec.loader.exec_module, module)
     except AdapterError:
         if previous is None:
@@ -402,4 +430,4 @@ def _import_file(path: str, spec: str):
         else:
             sys.modules[name] = previous
         raise
-    return name, module
+    return stem, module
