@@ -136,7 +136,7 @@ class ConformanceError(AssertionError):
 
 
 def cases(catalog: str = "quick", pattern=None) -> list:
-    """The runnable cases of ``catalog`` (``"quick"``: 35 small cases touching every category;
+    """The runnable cases of ``catalog`` (``"quick"``: small cases touching every category;
     ``"full"``: every runnable catalog case) as ``pytest.param(case, id=case.id)``, in catalog
     order. ``pattern``: a case id or shell glob (``"sink-*"``), or a list of them, each of which
     must match a case of the catalog. Cases of :data:`PRODUCTION_CATEGORIES` carry the
