@@ -194,9 +194,10 @@ def test_the_readme_fixtures_snippet_runs_on_this_machine(monkeypatch):
 
 
 COUNT = re.compile(
-    r"(?<![A-Za-z_] )(?<![A-Za-z_])\b\d{1,3} (?:(?:runnable|small|hard|stored|catalog|named|"
-    r"quick|full) )*(?:cases|checks)\b|\b\d+(?:\.\d+)? MB for\b|\bcatalog of \d+\b|"
-    r"\b(?:two|three|four|five|six|seven|eight|nine|ten) catalog cases\b")
+    r"(?<![A-Z]\s)(?<![A-Za-z_])\b\d{1,3}\s+(?:(?:runnable|small|hard|stored|catalog|"
+    r"named|quick|full)\s+)*(?:cases|checks)\b|\b\d+(?:\.\d+)?\s+MB\s+for\b|"
+    r"\bcatalog\s+of\s+\d+\b|\b(?:two|three|four|five|six|seven|eight|nine|ten)\s+catalog\s+"
+    r"cases\b")
 DATED = re.compile(r"`[0-9a-f]{7,40}`|\b20\d\d-\d\d-\d\d\b")
 
 
@@ -218,6 +219,7 @@ def test_the_counting_rule_finds_counts():
     assert stale_counts("the quick catalog of 41 cases") == ["the quick catalog of 41"]
     assert stale_counts("| `cases()` | 36 small cases |")
     assert stale_counts("on four catalog cases") and stale_counts("7.2 MB for its cases")
+    assert stale_counts("runs all 67 runnable\ncases")
     assert not stale_counts("at commit `97d5d7e`: 36 cases") and not stale_counts("D_I 128 cases")
     assert not stale_counts("measured 2026-12-01:\n\n| run | 36 cases |")
 
