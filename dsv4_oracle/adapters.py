@@ -49,6 +49,7 @@ from dsv4_oracle.reference.error_model import ORACLE_PRECISION, Precision
 
 from .invoke import describe
 from .protocol import ALL_OPS, LAYER_OP, OPS
+from .suggest import misspelling_of
 
 __all__ = [
     "OPS", "LAYER_OP", "ALL_OPS", "BUILTIN", "AdapterError", "Adapter", "load_adapter",
@@ -138,9 +139,26 @@ class Adapter:
             fns = {o: attr(o) for o in ALL_OPS}
         self._fns = {o: f for o, f in fns.items() if callable(f)}
         self.ops = tuple(o for o in ALL_OPS if o in self._fns)
+        if not isinstance(declared, (tuple, list, set, frozenset)):
+            self._refuse_misspelled_ops(attr)
         if not self.ops:
             raise AdapterError(f"adapter {self.spec} provides none of the ops "
                                f"({', '.join(ALL_OPS)})")
+
+    def _refuse_misspelled_ops(self, attr) -> None:
+        """An attribute whose name misspells an op the adapter lacks
+        (``sparse_attention_foward``) would leave that op to the oracle and pass silently: an
+        :class:`AdapterError` naming the op it resembles."""
+        names = _guarded(f"adapter {self.spec}: listing its attributes", dir, self.target)
+        for a in names:
+            if a.startswith("_") or a in ALL_OPS:
+                continue
+            op = misspelling_of(a, ALL_OPS)
+            if op is not None and op not in self.ops and callable(attr(a)):
+                raise AdapterError(f"adapter {self.spec}: its attribute {a!r} looks like a "
+                                   f"misspelling of the op {op}, which it lacks (the oracle "
+                                   f"would stand in for it, unjudged); rename it {op!r}, or "
+                                   f"start its name with '_' if it is not an op")
 
     def op(self, name: str) -> Callable:
         return self._fns[name]

@@ -246,7 +246,7 @@ def assert_conforms(implementation, case, *, replays: int = 2, ops=None, precisi
         pytest.skip(why)
     outcome = check_case(adapter, the_case, replays=replays, ops=ops)
     if not outcome.passed:
-        raise ConformanceError(format_case(outcome, adapter), outcome)
+        raise ConformanceError(format_case(outcome, adapter, ops), outcome)
     if not any(c.judged for c in outcome.checks):
         pytest.skip(f"{the_case.id}: nothing judged for {adapter.spec} ("
                     + (f"{len(outcome.checks)} checks, none judged" if outcome.checks else

@@ -342,6 +342,8 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
                + (f" (backends: {', '.join(backends)})" if backends else "")
                + f"; {result.catalog} catalog, {len(result.outcomes)} cases, "
                f"replays {result.replays}")
+    from .protocol import ops_line
+    out.append(ops_line(result.ops))
     from .runner import precision_lines, precision_summary
     p_lines, p_flag = precision_lines(precision_summary(result))
     out += p_lines
@@ -409,10 +411,10 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
     return "\n".join(out) + p_flag      # the verdict line notes widened bounds
 
 
-def format_case(outcome, adapter=None) -> str:
+def format_case(outcome, adapter=None, ops=None) -> str:
     """One case's checks as a table (failed first, then not judged, then passed): status,
-    level, quantity, check, ratio and detail; the message of
-    :func:`dsv4_oracle.pytest_plugin.assert_conforms`."""
+    level, quantity, check, ratio and detail, after the ops judged (``ops``, default the
+    adapter's); the message of :func:`dsv4_oracle.pytest_plugin.assert_conforms`."""
     c = outcome.case
     who = f"{adapter.spec} on {adapter.device}: " if adapter is not None else ""
     n = len(outcome.checks)
@@ -421,6 +423,9 @@ def format_case(outcome, adapter=None) -> str:
     head = (f"dsv4-oracle: {who}case {c.id}: {n_failed} of {n} checks failed"
             + (f", {n_nj} not judged" if n_nj else ""))
     out = [head]
+    if adapter is not None:
+        from .protocol import ops_line
+        out.append(ops_line(adapter.ops if ops is None else ops))
     if outcome.error:
         out.append(f"ERROR {c.id}: {outcome.error}")
     order = {"failed": 0, "not_judged": 1, "passed": 2}

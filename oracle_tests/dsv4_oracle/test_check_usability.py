@@ -3,13 +3,14 @@
 - ``--impl path/to/file.py:attr`` imports the modules beside the file (as ``python file.py``
   does) from any directory, and an adapter file named like a standard module (``json.py``)
   shadows nothing for the rest of the run;
+- an adapter attribute that misspells an op it lacks (``sparse_attention_foward``) is a usage
+  error naming the op, and the summary names the ops judged and those the oracle feeds;
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
-import textwrap
 
 import pytest
 
@@ -102,3 +103,69 @@ def test_a_file_adapter_reloaded_keeps_its_own_name(tmp_path, monkeypatch, isola
         a = load_adapter(f"{kern / 'fh_my_adapter.py'}:Adapter")
         assert type(a.target).__module__ == "fh_my_adapter"
     assert sys.path.count(str(kern)) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# a misspelled op; the ops judged and the ops the oracle feeds
+# ---------------------------------------------------------------------------------------------
+class _Forward:
+    def sparse_attention_forward(self, q, kv, ids, sink, *, v_dim=None, lengths=None):
+        from dsv4_oracle.gpu_impl import api
+        return api.sparse_attention_forward(q, kv, ids, sink, v_dim=v_dim, lengths=lengths,
+                                            backend="torch")
+
+
+class MisspelledForward:
+    """The forward misspelled: without the check it passes with the oracle's forward."""
+
+    sparse_attention_foward = _Forward.sparse_attention_forward
+
+    def sparse_attention_backward(self, q, kv, ids, sink, out, lse, dout, *, v_dim=None,
+                                  lengths=None):
+        from dsv4_oracle.gpu_impl import api
+        return api.sparse_attention_backward(q, kv, ids, sink, out, lse, dout, v_dim=v_dim,
+                                             lengths=lengths, backend="torch")
+
+
+class HelpersBesideTheirOps(_Forward):
+    """Names close to an op are fine beside the op itself, or private."""
+
+    def sparse_attention_forward_(self, *args, **kwargs):
+        return self.sparse_attention_forward(*args, **kwargs)
+
+    def _sparse_attention_backwrd(self):
+        pass
+
+
+class CapitalisedLayer(_Forward):
+    Csa_Layer = _Forward.sparse_attention_forward
+
+
+@pytest.mark.parametrize("attr, op, adapter", [
+    ("sparse_attention_foward", "sparse_attention_forward", "MisspelledForward"),
+    ("Csa_Layer", "csa_layer", "CapitalisedLayer")])
+def test_an_attribute_that_misspells_a_missing_op_is_a_usage_error(capsys, attr, op, adapter):
+    rc, out, err = check(capsys, "--impl", f"{__name__}:{adapter}", "--case", OP_CASE)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"its attribute {attr!r} looks like a misspelling of the op {op}, which it lacks" \
+        in err
+
+
+def test_names_close_to_an_op_beside_it_or_private_are_no_misspelling():
+    a = load_adapter(f"{__name__}:HelpersBesideTheirOps")
+    assert a.ops == ("sparse_attention_forward",)
+
+
+def test_the_summary_names_the_ops_judged_and_the_ops_the_oracle_feeds(capsys):
+    rc, out, _ = check(capsys, "--impl", f"{__name__}:HelpersBesideTheirOps", "--case",
+                       "capacity-rows", "--replays", "0")
+    assert rc == 0
+    assert out.splitlines()[1] == ("ops judged: sparse_attention_forward; fed by the oracle "
+                                   "(where a case has them): indexer_scores, stable_topk, "
+                                   "build_csa_indices")
+    rc, out, _ = check(capsys, "--impl", "gpu_impl:torch", "--ops", "sparse_attention_backward",
+                       "--case", OP_CASE, "--replays", "0")
+    assert rc == 0
+    assert out.splitlines()[1] == ("ops judged: sparse_attention_backward; fed by the oracle "
+                                   "(where a case has them): indexer_scores, stable_topk, "
+                                   "build_csa_indices, sparse_attention_forward")
