@@ -331,6 +331,19 @@ def _table(header, rows) -> list[str]:
     return [fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]
 
 
+def what_is_wrong_lines(result: RunResult) -> list[str]:
+    """Per failing quantity, the most common error pattern of its failing checks
+    (:func:`dsv4_oracle.hints.pattern_lines`), in the order of the quantity table."""
+    from .hints import Pattern, pattern_lines
+    failed = [(c.extra.get("quantity", "run"),
+               Pattern(c.extra["pattern"], c.extra["what_is_wrong"])
+               if "what_is_wrong" in c.extra else None)
+              for o in result.outcomes for c in o.failed_checks]
+    order = [r["quantity"] for r in quantity_rows(result)]
+    return sorted(pattern_lines(failed), key=lambda line: order.index(line.split(":")[0])
+                  if line.split(":")[0] in order else len(order))
+
+
 def format_summary(result: RunResult, *, color: bool = False, max_failures: int = 25,
                    verbose: bool = False) -> str:
     """The terminal summary: header, table of quantities, failing checks, verdict."""
@@ -373,6 +386,12 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
         out.append(conv)
     errors = [o for o in result.outcomes if o.error]
     fails = [(o, c) for o in result.outcomes for c in o.failed_checks]
+    wrong = what_is_wrong_lines(result)
+    if wrong:
+        out.append("")
+        out.append(_paint("what is wrong, from the error pattern of the failing checks:", "bold",
+                          color))
+        out += [f"  {line}" for line in wrong]
     if errors or fails:
         out.append("")
         out.append(_paint(f"failing checks ({len(fails) + len(errors)}):", "bold", color))
