@@ -117,6 +117,16 @@ def _main_check(args) -> int:
             as_device(args.oracle_device, "--oracle-device")
         except (TypeError, ValueError) as exc:
             return _usage_error(str(exc))
+    if args.device is not None:
+        import torch
+        try:
+            kind = torch.device(args.device).type
+        except (RuntimeError, TypeError) as exc:
+            return _usage_error(f"--device {args.device!r} is not a torch device ({exc})")
+        if kind == "cuda" and not torch.cuda.is_available():
+            return _usage_error(f"--device {args.device}: this machine has no usable CUDA device "
+                                f"(torch.cuda.is_available() is False); leave out --device to "
+                                f"run on the adapter's own device")
     spec = default_impl() if args.impl is None else args.impl
     try:
         adapter = load_adapter(spec, device=args.device)

@@ -155,9 +155,9 @@ def cases(catalog: str = "quick", pattern=None) -> list:
         raise TypeError(f"pattern must be a case id or glob, or a list of them, got "
                         f"{type(pattern).__name__}")
     try:
-        selected, _ = select_cases(catalog, patterns)
+        selected, _ = select_cases(catalog, patterns, cli=False)
     except SelectionError as exc:
-        raise ValueError(f"pattern: {exc}") from None
+        raise ValueError(str(exc)) from None
     return [pytest.param(c, id=c.id, marks=[pytest.mark.production]
                          if set(c.categories) & set(PRODUCTION_CATEGORIES) else [])
             for c in selected]
@@ -171,8 +171,10 @@ def _case(case):
         try:
             return fixtures.get(case)
         except KeyError:
-            raise ValueError(f"case: no catalog case has id {case!r} (see dsv4-oracle check "
-                             "--list --catalog full)") from None
+            from .suggest import did_you_mean
+            slip = did_you_mean(case, [c.id for c in fixtures.catalog()])
+            raise ValueError(f"case: no catalog case has id {case!r}"
+                             + (slip or " (fixtures.catalog() lists them)")) from None
     raise TypeError(f"case must be a fixtures.Case or a case id, got {type(case).__name__}")
 
 
@@ -187,7 +189,7 @@ def _adapter(implementation, precision):
                            device=implementation.device, precision=precision,
                            spec=implementation.spec)
         if isinstance(implementation, str):
-            a = load_adapter(implementation)
+            a = load_adapter(implementation, arg="implementation")
             return a if precision is None else Adapter(a.target, name=a.name, device=a.device,
                                                        precision=precision, spec=a.spec)
         if implementation is None:

@@ -169,3 +169,80 @@ def test_the_summary_names_the_ops_judged_and_the_ops_the_oracle_feeds(capsys):
     assert out.splitlines()[1] == ("ops judged: sparse_attention_backward; fed by the oracle "
                                    "(where a case has them): indexer_scores, stable_topk, "
                                    "build_csa_indices, sparse_attention_forward")
+
+
+# ---------------------------------------------------------------------------------------------
+# common slips: one line that points at the fix
+# ---------------------------------------------------------------------------------------------
+def _slip_folder(tmp_path, monkeypatch):
+    kern, _ = kernel_folder(tmp_path, "adapters.py", "fh_sibling_kernel_slips")
+    monkeypatch.chdir(kern)
+    return kern
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--impl", "adapters.py"], "module 'adapters' provides none of the ops itself; Adapter "
+                                "does: name one, as in --impl adapters.py:Adapter"),
+    (["--impl", "adapters"], "as in --impl adapters:Adapter"),
+    (["--impl", "adapters.Adapter"], "did you mean adapters:Adapter? (module:attr)"),
+    (["--impl", "adapters.py:Adaptr"], "has no attribute 'Adaptr' (--impl adapters.py:Adaptr); "
+                                       "did you mean 'Adapter'?"),
+    (["--impl", "adapter.py:Adapter"], "does not exist; did you mean 'adapters.py'?"),
+    (["--impl", "refrence"], "did you mean 'reference'?"),
+    (["--impl", "gpu_impl:torhc"], "did you mean 'gpu_impl:torch'?"),
+    (["--impl", "gpu_impl:torch", "--ops", "sparse_attention_foward"],
+     "unknown op 'sparse_attention_foward'; ops are indexer_scores"),
+    (["--case", "sink-mixd"], "--case 'sink-mixd' matches no case of the full catalog; did you "
+                              "mean 'sink-mixed'?"),
+    (["--impl", "adapters.py:Adapter", "--device", "cpus"], "--device 'cpus' is not a torch "
+                                                            "device"),
+    pytest.param(["--impl", "adapters.py:Adapter", "--device", "cuda"],
+                 "--device cuda: this machine has no usable CUDA device "
+                 "(torch.cuda.is_available() is False); leave out --device to run on the "
+                 "adapter's own device", marks=pytest.mark.skipif(
+                     __import__("torch").cuda.is_available(), reason="this machine has CUDA")),
+])
+def test_a_slip_gets_one_line_that_points_at_the_fix(capsys, tmp_path, monkeypatch,
+                                                     isolated_imports, args, needle):
+    _slip_folder(tmp_path, monkeypatch)
+    rc, out, err = check(capsys, *args)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert needle in err, err
+    assert "gpu_impl:torch" not in err or "gpu_impl" in " ".join(args)  # never replaces yours
+
+
+def test_a_cuda_adapter_without_cuda_is_not_told_to_use_another_kernel(tmp_path, monkeypatch,
+                                                                       isolated_imports):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    kern = _slip_folder(tmp_path, monkeypatch)
+    text = (kern / "adapters.py").read_text().replace("class Adapter:",
+                                                      "class Adapter:\n    device = 'cuda'\n")
+    (kern / "adapters.py").write_text(text)
+    why = load_adapter("adapters.py:Adapter").unavailable()
+    assert why == ("adapter adapters.py:Adapter runs on 'cuda' (its device), and this machine "
+                   "has no usable CUDA device (torch.cuda.is_available() is False): run it on a "
+                   "CUDA machine, or on the CPU if it can (device 'cpu')")
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda p: p.cases(pattern="sink-mixd"), "pattern 'sink-mixd' matches no case of the quick "
+                                             "catalog; did you mean 'sink-mixed'?"),
+    (lambda p: p.cases("quick", pattern="dsv4-pro-T16"), "(cases('full', ...))"),
+    (lambda p: p.assert_conforms("gpu_impl:torch", "sink-mixd"), "did you mean 'sink-mixed'?"),
+    (lambda p: p.assert_conforms("no_such_module_xyz:Adapter", OP_CASE),
+     "implementation: cannot import module 'no_such_module_xyz' for implementation "
+     "'no_such_module_xyz:Adapter'"),
+    (lambda p: p.assert_conforms("adapters.py", OP_CASE),
+     "as in implementation adapters.py:Adapter"),
+])
+def test_the_pytest_plugin_speaks_of_its_own_arguments(tmp_path, monkeypatch, isolated_imports,
+                                                      call, needle):
+    """Inside a pytest file there is no --impl, --case or --list."""
+    from dsv4_oracle import pytest_plugin
+    _slip_folder(tmp_path, monkeypatch)
+    with pytest.raises(ValueError) as e:
+        call(pytest_plugin)
+    assert needle in str(e.value), str(e.value)
+    assert not any(opt in str(e.value) for opt in ("--impl", "--case", "--list", "--catalog"))

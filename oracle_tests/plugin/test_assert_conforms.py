@@ -63,7 +63,7 @@ def test_cases_are_the_check_selection_with_ids():
 
 @pytest.mark.parametrize("kwargs,error,needle", [
     (dict(catalog="everything"), ValueError, "catalog must be one of quick, full"),
-    (dict(pattern="no-such-*"), ValueError, "pattern: --case 'no-such-*' matches no case"),
+    (dict(pattern="no-such-*"), ValueError, "pattern 'no-such-*' matches no case"),
     (dict(pattern=3), TypeError, "pattern must be a case id or glob"),
 ])
 def test_cases_bad_arguments(kwargs, error, needle):
