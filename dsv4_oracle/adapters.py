@@ -50,7 +50,7 @@ from dsv4_oracle.reference.error_model import ORACLE_PRECISION, Precision
 
 from .invoke import describe
 from .protocol import ALL_OPS, LAYER_OP, OPS
-from .suggest import did_you_mean, misspelling_of
+from .wording import did_you_mean, misspelling_of
 
 __all__ = [
     "OPS", "LAYER_OP", "ALL_OPS", "BUILTIN", "AdapterError", "Adapter", "load_adapter",

@@ -53,6 +53,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(default: the CPU, the definition)")
     p.add_argument("--case", metavar="PATTERN", action="append", default=[],
                    help="case id or glob (e.g. 'sink-*'); repeatable")
+    p.add_argument("--shape", metavar="SPEC", action="append", default=[],
+                   help="check at your own shapes instead of the catalog: a case built from "
+                        "key=value pairs, e.g. 'H=64,D=512,K=512,W=128,T=4096,sink=finite' "
+                        "(keys: H, D, Dv, K, W, ratio, H_I, D_I, T, dtype, sink "
+                        "finite|none|+inf|large|log_k|mixed, layer csa|hca|window|dsa, layout "
+                        "mixed|single|uniform, B, seed; the others take the DSv4-Flash "
+                        "values); repeatable")
     p.add_argument("--ops", default=None,
                    help="comma-separated ops to check (default: every op the adapter has); "
                         f"ops: {', '.join(ALL_OPS)}")
@@ -96,20 +103,34 @@ def main_check(args) -> int:
 def _main_check(args) -> int:
     from .adapters import AdapterError, checked_ops, default_impl, load_adapter
     from .runner import SelectionError, run_check, select_cases
+    from .wording import plural
 
     if args.replays < 0:
         return _usage_error(f"--replays must be >= 0, got {args.replays}")
     if not args.timeout >= 0 or args.timeout == float("inf"):
         return _usage_error(f"--timeout must be a number of seconds >= 0 (0: no limit), got "
                             f"{args.timeout:g}")
-    try:
-        cases, catalog = select_cases(args.catalog, args.case)
-    except SelectionError as exc:
-        return _usage_error(str(exc))
+    if args.shape:
+        if args.case or args.catalog:
+            return _usage_error("--shape builds its own cases: leave out --case and --catalog")
+        from dsv4_oracle.fixtures.shapes import describe, shape_case
+        cases, catalog = [], "shape"
+        for spec in args.shape:
+            try:
+                cases.append(shape_case(spec))
+            except (TypeError, ValueError) as exc:
+                return _usage_error(f"--shape {spec!r}: {exc}")
+    else:
+        try:
+            cases, catalog = select_cases(args.catalog, args.case)
+        except SelectionError as exc:
+            return _usage_error(str(exc))
     if args.list:
         for c in cases:
-            print(f"{c.id:34s} {', '.join(c.categories)}")
-        print(f"{len(cases)} cases ({catalog} catalog)")
+            what = describe(c) if args.shape else ", ".join(c.categories)
+            print(f"{c.id:34s} {what}")
+        print(f"{plural(len(cases), 'case')} ({catalog} catalog)" if not args.shape else
+              f"{plural(len(cases), 'case')} at your shapes")
         return EXIT_OK
     if args.oracle_device is not None:
         from dsv4_oracle.reference._checks import as_device
@@ -153,7 +174,7 @@ def _main_check(args) -> int:
     bar = ProgressBar(len(cases), enabled=progress_enabled(sys.stderr, args.no_progress),
                       label=f"check {adapter.spec}", lines=args.verbose)
     try:
-        result = run_check(adapter, cases, catalog=catalog, patterns=args.case,
+        result = run_check(adapter, cases, catalog=catalog, patterns=args.case or args.shape,
                            replays=args.replays, ops=ops, progress=bar,
                            timeout=args.timeout or None, hard_exit=True,
                            oracle_device=args.oracle_device)
@@ -162,8 +183,8 @@ def _main_check(args) -> int:
     if result.judged == 0:
         what = f"--ops {','.join(ops)}" if ops else f"adapter {adapter.spec}'s ops"
         ids = ", ".join(c.id for c in cases[:3]) + (", ..." if len(cases) > 3 else "")
-        return _usage_error(f"nothing was judged: {what} on the {len(cases)} selected "
-                            f"case(s) ({ids}) yield no check that can fail (csa_layer runs on "
+        return _usage_error(f"nothing was judged: {what} on the {plural(len(cases), 'selected case')} "
+                            f"({ids}) yield no check that can fail (csa_layer runs on "
                             f"layer cases with indexer scores, the attention ops on every case)")
     rc = _present(result, args)
     from .invoke import abandoned

@@ -43,6 +43,8 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
+from .wording import plural
+
 __all__ = ["Mutant", "MUTANTS", "StaleMutant", "MutantResult", "mutant_source", "build_adapter",
            "case_order", "run_mutant", "run_mutation", "format_table", "main"]
 
@@ -759,7 +761,7 @@ def main_mutate(args) -> int:
         for m in mutants:
             where = "lane" if m.lane else ", ".join(m.files)
             print(f"{m.name:36s} [{m.expect}; {where}] {m.description}")
-        print(f"{len(mutants)} mutants")
+        print(plural(len(mutants), "mutant"))
         return 0
 
     def progress(m, case):
@@ -785,10 +787,10 @@ def main_mutate(args) -> int:
     stale = [r for r in results if r.status == "stale"]
     killed = sum(r.status == "killed" for r in results if r.mutant.expect == "killed")
     want = sum(1 for r in results if r.mutant.expect == "killed" and r.status != "lane")
-    print(f"\n{killed} of {want} bug mutants killed; {len(bad)} unexpected; "
+    print(f"\n{killed} of {plural(want, 'bug mutant')} killed; {len(bad)} unexpected; "
           f"{time.perf_counter() - t0:.0f} s")
     if stale:
-        print(f"STALE: {len(stale)} mutant(s) no longer match the source; update them in "
+        print(f"STALE: {plural(len(stale), 'mutant')} no longer match the source; update them in "
               "dsv4_oracle/mutation.py", file=sys.stderr)
     try:
         if args.json:

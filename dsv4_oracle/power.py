@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from .wording import plural
+
 __all__ = ["PowerRow", "power_of", "case_power", "power_table", "format_table", "main",
            "TARGET"]
 
@@ -179,7 +181,7 @@ def main_power(args) -> int:
     if args.list:
         for c in cases:
             print(c.id)
-        print(f"{len(cases)} cases ({catalog} catalog)")
+        print(f"{plural(len(cases), 'case')} ({catalog} catalog)")
         return 0
     t0 = time.perf_counter()
 
@@ -192,7 +194,8 @@ def main_power(args) -> int:
         print("\r\033[K", end="", file=sys.stderr)
     print(format_table(rows))
     bad = exceptions(rows)
-    print(f"\n{len(rows)} (case, quantity) rows over {len(cases)} cases ({catalog} catalog); "
+    print(f"\n{plural(len(rows), '(case, quantity) row')} over {plural(len(cases), 'case')} "
+          f"({catalog} catalog); "
           f"{len(bad)} above the 1% target; {time.perf_counter() - t0:.0f} s")
     for r in bad:
         print(f"  {r.case} / {r.quantity}: min {_pct(r.min_threshold)}, "

@@ -135,13 +135,28 @@ class ConformanceError(AssertionError):
         self.outcome = outcome
 
 
-def cases(catalog: str = "quick", pattern=None) -> list:
+def cases(catalog: str = "quick", pattern=None, *, shape=None) -> list:
     """The runnable cases of ``catalog`` (``"quick"``: small cases touching every category;
     ``"full"``: every runnable catalog case) as ``pytest.param(case, id=case.id)``, in catalog
     order. ``pattern``: a case id or shell glob (``"sink-*"``), or a list of them, each of which
     must match a case of the catalog. Cases of :data:`PRODUCTION_CATEGORIES` carry the
-    ``production`` marker."""
+    ``production`` marker. ``shape``: instead of the catalog, cases at your own shapes, one per
+    spec (``"H=64,D=512,K=512,W=128,T=4096,sink=finite"``, a dict of the same keys, or a list
+    of them; :func:`fixtures.shape_case`)."""
     from .runner import CATALOGS, SelectionError, select_cases
+
+    if shape is not None:
+        if catalog != "quick" or pattern is not None:
+            raise ValueError("shape builds its own cases: leave out catalog and pattern")
+        from dsv4_oracle.fixtures.shapes import shape_case
+        specs = shape if isinstance(shape, list) else [shape]
+        built = []
+        for s in specs:
+            try:
+                built.append(shape_case(s))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"shape {s!r}: {exc}") from None
+        return [pytest.param(c, id=c.id) for c in built]
 
     if not isinstance(catalog, str) or catalog not in CATALOGS:
         raise ValueError(f"catalog must be one of {', '.join(CATALOGS)}, got {catalog!r}")
@@ -171,7 +186,7 @@ def _case(case):
         try:
             return fixtures.get(case)
         except KeyError:
-            from .suggest import did_you_mean
+            from .wording import did_you_mean
             slip = did_you_mean(case, [c.id for c in fixtures.catalog()])
             raise ValueError(f"case: no catalog case has id {case!r}"
                              + (slip or " (fixtures.catalog() lists them)")) from None

@@ -26,6 +26,7 @@ import torch
 from .compare import STATUSES
 from .conformance import BACKWARD_CONVENTIONS, QUANTITIES
 from .runner import LEVELS, RunResult
+from .wording import plural
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "quantity_rows", "report_dict", "validate_report",
            "format_summary", "format_case", "write_report", "write_junit", "fmt_ratio",
@@ -353,8 +354,10 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
                        for b in lv.values()})
     out.append(f"dsv4-oracle check: {a.spec} on {a.device}"
                + (f" (backends: {', '.join(backends)})" if backends else "")
-               + f"; {result.catalog} catalog, {len(result.outcomes)} cases, "
-               f"replays {result.replays}")
+               + (f"; {plural(len(result.outcomes), 'case')} at your shapes"
+                  if result.catalog == "shape" else
+                  f"; {result.catalog} catalog, {plural(len(result.outcomes), 'case')}")
+               + f", replays {result.replays}")
     from .protocol import ops_line
     out.append(ops_line(result.ops))
     from .runner import precision_lines, precision_summary
@@ -420,12 +423,14 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
     if result.passed:
         w = (f"; worst ratio {fmt_ratio(worst[0])} ({worst[3]}, {worst[1]} [{worst[2]}])"
              if worst else "")
-        out.append(_paint(f"PASS: {n_checks - n_nj} checks passed{nj} on "
-                          f"{len(result.outcomes)} cases{w} in {result.elapsed_s:.1f} s",
+        out.append(_paint(f"PASS: {plural(n_checks - n_nj, 'check')} passed{nj} on "
+                          f"{plural(len(result.outcomes), 'case')}{w} in "
+                          f"{result.elapsed_s:.1f} s",
                           "green", color))
     else:
-        out.append(_paint(f"FAIL: {n_failed} of {n_checks} checks failed in {bad_cases} of "
-                          f"{len(result.outcomes)} cases ({result.elapsed_s:.1f} s){nj}", "red",
+        out.append(_paint(f"FAIL: {n_failed} of {plural(n_checks, 'check')} failed in {bad_cases} "
+                          f"of {plural(len(result.outcomes), 'case')} ({result.elapsed_s:.1f} s)"
+                          f"{nj}", "red",
                           color))
     return "\n".join(out) + p_flag      # the verdict line notes widened bounds
 
@@ -505,7 +510,8 @@ def _markdown(d: dict, images: list[str]) -> str:
               f"- catalog: {run['catalog']}"
               + (f", cases matching {', '.join(run['case_patterns'])}" if run['case_patterns']
                  else "")
-              + f"; {s['cases']} cases, {s['checks']} checks, replays {run['replays']}",
+              + f"; {plural(s['cases'], 'case')}, {plural(s['checks'], 'check')}, replays "
+                f"{run['replays']}",
               f"- result: {s['checks'] - s['checks_failed'] - s['checks_not_judged']}/"
               f"{s['checks'] - s['checks_not_judged']} judged checks passed, "
               f"{s['checks_not_judged']} not judged; "

@@ -35,7 +35,7 @@ from .compare import CheckResult, check_grad_mode_parity, check_no_mutation, che
 from .conformance import (FORWARD_OUTPUTS, OpError, judge, layer_applies, run_layer, run_ops,
                           tensors_of)
 from .invoke import op_timeout
-from .suggest import did_you_mean
+from .wording import did_you_mean
 
 __all__ = ["CATALOGS", "CaseOutcome", "RunResult", "SelectionError", "select_cases", "quick_ids",
            "check_case", "run_check", "LEVELS", "STRUCTURAL", "precision_summary",

@@ -246,3 +246,60 @@ def test_the_pytest_plugin_speaks_of_its_own_arguments(tmp_path, monkeypatch, is
         call(pytest_plugin)
     assert needle in str(e.value), str(e.value)
     assert not any(opt in str(e.value) for opt in ("--impl", "--case", "--list", "--catalog"))
+
+
+# ---------------------------------------------------------------------------------------------
+# your own shapes
+# ---------------------------------------------------------------------------------------------
+SHAPE = "H=2,D=16,K=4,W=8,T=32,sink=finite"
+
+
+def test_check_at_your_own_shapes(capsys, tmp_path):
+    rc, out, err = check(capsys, "--impl", "gpu_impl:torch", "--shape", SHAPE, "--shape",
+                         "H=2,D=16,T=24,sink=none,layout=single", "--replays", "0",
+                         "--ops", "sparse_attention_forward,sparse_attention_backward",
+                         "--junit", str(tmp_path / "junit.xml"))
+    assert rc == 0, out + err
+    assert out.startswith("dsv4-oracle check: gpu_impl:torch on cpu (backends: torch); 2 cases "
+                          "at your shapes, replays 0")
+    junit = (tmp_path / "junit.xml").read_text()
+    assert "dsv4_oracle.shape-H2-D16-K4-W8-T32-sink_finite" in junit
+    assert "dsv4_oracle.shape-H2-D16-T24-sink_none-layout_single" in junit
+    rc, out, _ = check(capsys, "--shape", SHAPE, "--list")
+    assert rc == 0 and out.splitlines() == [
+        "shape-H2-D16-K4-W8-T32-sink_finite H 2, D 16, Dv 16, K 4, W 8, ratio 4, H_I 64, D_I 128, "
+        "T 32, bfloat16, sink normal, layer csa", "1 case at your shapes"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--shape", "H=2,T=8"], "--shape 'H=2,T=8': layout=mixed needs T >= 16"),
+    (["--shape", "h=2"], "--shape 'h=2': unknown key 'h'; keys are H, D"),
+    (["--shape", SHAPE, "--case", "sink-mixed"], "--shape builds its own cases: leave out "
+                                                 "--case and --catalog"),
+])
+def test_a_bad_shape_is_one_line(capsys, args, needle):
+    rc, out, err = check(capsys, *args)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert needle in err, err
+
+
+def test_the_pytest_plugin_builds_cases_at_your_shapes():
+    from dsv4_oracle import pytest_plugin
+    params = pytest_plugin.cases(shape=[SHAPE, {"H": 2, "D": 16, "T": 24, "layout": "single"}])
+    assert [p.id for p in params] == ["shape-H2-D16-K4-W8-T32-sink_finite",
+                                      "shape-H2-D16-T24-layout_single"]
+    outcome = pytest_plugin.assert_conforms("gpu_impl:torch", params[0].values[0], replays=0,
+                                            ops=["sparse_attention_forward"])
+    assert outcome.passed
+    with pytest.raises(ValueError, match="shape 'T=8': layout=mixed needs T >= 16"):
+        pytest_plugin.cases(shape="T=8")
+    with pytest.raises(ValueError, match="leave out catalog and pattern"):
+        pytest_plugin.cases("full", shape=SHAPE)
+
+
+def test_counts_take_their_plural(capsys):
+    rc, out, _ = check(capsys, "--impl", "gpu_impl:torch", "--ops", "sparse_attention_forward",
+                       "--case", OP_CASE, "--replays", "0")
+    assert rc == 0
+    assert "; full catalog, 1 case, replays 0" in out.splitlines()[0]
+    assert " on 1 case;" in out.splitlines()[-1]

@@ -1,10 +1,16 @@
-"""Did you mean...? The closest valid name to a user's slip (a case id, an op, an adapter
-attribute, a built-in implementation, a file), for one-line usage errors."""
+"""How messages to the user are worded: the closest valid name to a slip (a case id, an op,
+an adapter attribute, a built-in implementation, a file) for one-line usage errors ("did you
+mean ...?"), and counts with their plural ("1 case", "2 cases")."""
 from __future__ import annotations
 
 import difflib
 
-__all__ = ["closest", "did_you_mean", "misspelling_of"]
+__all__ = ["closest", "did_you_mean", "misspelling_of", "plural"]
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """``"1 case"``, ``"2 cases"`` (``words``: the plural when it is not ``word + "s"``)."""
+    return f"{n} {word if n == 1 else (words or word + 's')}"
 
 
 def closest(word: str, choices, n: int = 1, cutoff: float = 0.75) -> list[str]:
