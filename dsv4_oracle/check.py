@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 
 __all__ = ["add_parser", "main_check", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE",
            "EXIT_INTERRUPTED", "DEFAULT_TIMEOUT_S"]
@@ -34,10 +35,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "layer, and judge it against the float64 oracle: error/bound ratios of the "
                     "contract's error model, exact checks, bitwise replays, grad-mode parity "
                     "and input immutability. Exit status 0 iff every check holds.",
-        epilog="Adapters: 'reference' (the oracle; every ratio must be 0), 'gpu_impl:torch', "
-               "'gpu_impl:cudnn', or your own 'module:attr' (see examples/"
-               "megatron_style_adapter.py). Default: gpu_impl:cudnn on a CUDA machine, else "
-               "gpu_impl:torch on the CPU.")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(textwrap.fill(t, 78) for t in (
+            "Adapters: 'reference' (the oracle; every ratio must be 0), 'gpu_impl:torch', "
+            "'gpu_impl:cudnn', or your own as 'module:attr' or 'path/to/file.py:attr' "
+            "('dsv4-oracle init-adapter' writes one that passes as written; a worked example "
+            "is dsv4_oracle.examples.megatron_style_adapter:MegatronStyleAdapter). "
+            "Default: gpu_impl:cudnn on a CUDA machine, else gpu_impl:torch on the CPU.",
+            "Exit status: 0 every check holds; 1 a check failed (each failing check is "
+            "printed); 2 a bad invocation (one line on stderr); 130 interrupted.")))
     p.add_argument("--impl", metavar="SPEC", default=None,
                    help="the implementation: reference | gpu_impl:torch | gpu_impl:cudnn | "
                         "module:attr | path/to/file.py:attr (default: gpu_impl:cudnn with "

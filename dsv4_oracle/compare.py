@@ -259,6 +259,7 @@ def compare_numeric(name: str, actual, expected, bound) -> CheckResult:
     extra = {"max_error": s.max_error, "worst_index": idx, "worst_error": ei,
              "worst_bound": bv, "numel": n, "ill_conditioned": s.n_ill}
     if ev == 0.0 and not passed:    # the contract makes it exactly 0: say so, not a ratio
+        extra["expected_zero"] = True
         zeros = "everywhere" if s.n_zero == n else f"at {s.n_zero} of {n} elements"
         at = (f"expected exactly 0 {zeros}; actual {av!r} at {idx} (error {ei:.3g}, bound "
               f"{bv:.3g}: ratio {worst:.3g})")

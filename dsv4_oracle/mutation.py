@@ -747,7 +747,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("mutate", help="mutation testing: plant bugs in the torch backend and "
                                       "show which check kills each",
-                       description=__doc__.split("\n\n")[0])
+                       description=__doc__.split("\n\n")[0].replace("``", ""))
     return add_arguments(p)
 
 
@@ -805,7 +805,7 @@ def main_mutate(args) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dsv4_oracle.mutation",
-                                description=__doc__.split("\n\n")[0])
+                                description=__doc__.split("\n\n")[0].replace("``", ""))
     add_arguments(p)
     return main_mutate(p.parse_args(argv))
 

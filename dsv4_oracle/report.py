@@ -501,6 +501,18 @@ def write_junit(result: RunResult, path: str) -> None:
     ET.ElementTree(suites).write(path, encoding="utf-8", xml_declaration=True)
 
 
+def _markdown_precision(lines: list[str]) -> list[str]:
+    """The precision lines of the terminal as Markdown: one bullet each, the per-dtype lines
+    nested under the first, the warning in bold."""
+    out = []
+    for line in lines:
+        if line.startswith("  "):
+            out.append(f"  - {line.strip()}")
+        else:
+            out.append("- " + line.replace("WARNING: ", "**looser than the default**: "))
+    return out
+
+
 def _markdown(d: dict, images: list[str]) -> str:
     from .runner import precision_lines
     s, run = d["summary"], d["run"]
@@ -519,9 +531,8 @@ def _markdown(d: dict, images: list[str]) -> str:
               f"- worst ratio: {fmt_ratio(s['worst_ratio'])}"
               + (f" ({s['worst']['quantity']}, case {s['worst']['case']} "
                  f"[{s['worst']['level']}])" if s["worst"] else ""),
-              "- " + (" ".join(line.strip() for line in precision_lines(run["precision"])[0])
-                      .replace("WARNING: ", "**looser than the default**: ")
-                      or "precision assumed: none (no op ran)"),
+              *(_markdown_precision(precision_lines(run["precision"])[0])
+                or ["- precision assumed: none (no op ran)"]),
               f"- machine: {d['machine']['platform']}, {d['machine']['cpu_count']} CPUs, torch "
               f"{d['machine']['torch']}, CUDA device {d['machine']['cuda_device']}",
               f"- started {run['started_utc']}, {run['elapsed_s']:.1f} s; oracle "

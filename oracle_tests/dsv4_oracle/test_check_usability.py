@@ -303,3 +303,27 @@ def test_counts_take_their_plural(capsys):
     assert rc == 0
     assert "; full catalog, 1 case, replays 0" in out.splitlines()[0]
     assert " on 1 case;" in out.splitlines()[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# polish: help texts, the power table
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [["check"], ["selfcheck"], ["init-adapter"], ["mutate"],
+                                  ["power"], []])
+def test_help_texts_are_plain_text_for_an_installed_command(capsys, argv):
+    assert main([*argv, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "``" not in text and "examples/" not in text, text
+    if argv == ["check"]:
+        assert "Exit status: 0 every check holds; 1 a check failed" in text
+        assert "dsv4_oracle.examples.megatron_style_adapter:MegatronStyleAdapter" in text
+
+
+def test_the_power_table_keeps_its_columns_aligned_beside_a_flag():
+    from dsv4_oracle.power import PowerRow, format_table
+    rows = [PowerRow("a", "dq", 10, 9, 0, 1, 1, 0, 0.012, 0.017, 0.02),
+            PowerRow("a", "out", 10, 10, 0, 0, 0, 0, 0.0078, 0.011, 0.02)]
+    head, *lines = format_table(rows).splitlines()
+    end = len(head)                       # every row's median ends under the header's
+    assert [line[:end].endswith(("1.7%", "1.1%")) for line in lines] == [True, True]
+    assert lines[0][end:] == "  <-- above 1%" and lines[1][end:] == ""
