@@ -48,8 +48,8 @@ from dsv4_oracle.reference import error_model as EM
 from dsv4_oracle.reference._checks import as_device, compute_on, to_cpu
 
 from .adapters import Adapter
-from .hints import (AXES, SINK_VARIANTS, concentration_hint, nonfinite_pattern,
-                    what_is_wrong)
+from .hints import (AXES, PRECISION_VARIANTS, SINK_VARIANTS, concentration_hint,
+                    looser_precision, nonfinite_pattern, what_is_wrong)
 from .invoke import OpError, call_op
 from .compare import (CheckResult, compare_exact, compare_numeric, compare_topk, content_hash,
                       error_ratios, near_tie_rows, not_judged, row_chunks)
@@ -582,13 +582,12 @@ def _judge_forward(j: _Judging, st: Stage) -> list:
         v["q"], v["kv"], v["ids"], v["sink"], out_o, lse_o, precision=p, v_dim=j.case.v_dim,
         lengths=v["att_lengths"]), *(v[r] for r in st.reads))
     checks = []
-    if "out" in j.got:
-        c = j.numeric("out", out_o, b_out)
-        if not c.passed and "pattern" not in c.extra:
-            c = _sink_variant_hint(j, st, v, c)
-        checks.append(c)
-    if "lse" in j.got:
-        checks.append(j.numeric("lse", lse_o, b_lse))
+    for name, exp, b in (("out", out_o, b_out), ("lse", lse_o, b_lse)):
+        if name in j.got:
+            c = j.numeric(name, exp, b)
+            if not c.passed and "pattern" not in c.extra:
+                c = _forward_variant_hint(j, st, v, c, name)
+            checks.append(c)
     empty = _sink_only_rows(j)
     for name, exp, what in (("out", torch.zeros_like(out_o), "out == 0"),
                             ("lse", lse_o, "lse == +inf")):
@@ -604,26 +603,32 @@ def _judge_forward(j: _Judging, st: Stage) -> list:
     return checks
 
 
-def _sink_variant_hint(j: _Judging, st: Stage, v: dict, check: CheckResult):
-    """``check``, a failed ``out``, with the hint of the first of :data:`hints.SINK_VARIANTS`
-    (the sink negated, the sink ignored) under which ``out`` is within the bound of the oracle
-    evaluated on that sink."""
+def _forward_variant_hint(j: _Judging, st: Stage, v: dict, check: CheckResult, name: str):
+    """``check``, a failed ``out`` or ``lse``, with the hint of the first variant of the
+    forward under which it is within the bound (:mod:`dsv4_oracle.hints`): the sink negated or
+    ignored (:data:`hints.SINK_VARIANTS`, ``out`` only: ``lse`` excludes the sink), then a
+    looser working precision than the one assumed (:data:`hints.PRECISION_VARIANTS`)."""
     p = j.prec(st.op)
-    for key, (variant, phrase) in SINK_VARIANTS.items():
-        sink = variant(v["sink"])
-        if torch.equal(sink, v["sink"]):
+    variants = [(f"sink_{k}", fn(v["sink"]), p, phrase)
+                for k, (fn, phrase) in SINK_VARIANTS.items() if name == "out"]
+    variants += [(k, v["sink"], fn(p), phrase.format(name=name))
+                 for k, (fn, phrase) in PRECISION_VARIANTS.items()
+                 if looser_precision(fn(p), p)]
+    for key, sink, prec, phrase in variants:
+        if prec is p and torch.equal(sink, v["sink"]):
             continue
-        alt = j.oracle(st, sink=sink)
         w = {**v, "sink": sink}
-        bound = j.memo(("bound", st.op, p), lambda: EM.attention_forward_bound(
-            w["q"], w["kv"], w["ids"], w["sink"], *alt, precision=p, v_dim=j.case.v_dim,
-            lengths=w["att_lengths"]), *(w[r] for r in st.reads))[0]
+        alt = j.oracle(st, sink=sink)
+        bound = j.memo(("bound", st.op, prec), lambda: EM.attention_forward_bound(
+            w["q"], w["kv"], w["ids"], w["sink"], *alt, precision=prec, v_dim=j.case.v_dim,
+            lengths=w["att_lengths"]), *(w[r] for r in st.reads))
         with j.comparing():
-            if compare_numeric("out", j.got["out"], alt[0], bound).passed:
+            if compare_numeric(name, j.got[name], alt[("out", "lse").index(name)],
+                               bound[("out", "lse").index(name)]).passed:
                 return _tagged(dataclasses.replace(
                     check, detail=f"{check.detail}; {phrase}",
                     extra={**check.extra, "hints": f"{check.extra.get('hints', '')}; {phrase}",
-                           "pattern": f"sink_{key}", "what_is_wrong": phrase}), "out")
+                           "pattern": key, "what_is_wrong": phrase}), name)
     return check
 
 

@@ -4,8 +4,9 @@ hints printed after the check's finding, never part of the verdict.
 - :func:`what_is_wrong`: the pattern of the error over the whole output: exactly 0 everywhere
   (never computed or never written), the opposite sign, a constant factor, exactly 0 where it
   is wrong (missing contributions), non-finite values where the oracle's are finite;
-- :data:`SINK_VARIANTS`: the forward's sink taken with the wrong sign or ignored (the judge
-  compares ``out`` with the oracle on such a sink when ``out`` fails);
+- :data:`SINK_VARIANTS`, :data:`PRECISION_VARIANTS`: the forward's sink taken with the wrong
+  sign or ignored, bfloat16 accumulation (the judge compares a failing ``out``/``lse`` with
+  the oracle on such a sink, or with the bound of such a precision);
 - :func:`concentration_hint`: where the over-bound elements lie (one head, one document,
   padding rows, the last slots or columns);
 - :func:`pattern_lines`: per failing quantity of a run, the most common pattern, for the
@@ -19,8 +20,10 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["AXES", "Pattern", "SINK_VARIANTS", "concentration_hint", "what_is_wrong",
-           "nonfinite_pattern", "pattern_lines"]
+from dsv4_oracle.reference.error_model import Precision
+
+__all__ = ["AXES", "Pattern", "SINK_VARIANTS", "PRECISION_VARIANTS", "concentration_hint",
+           "what_is_wrong", "nonfinite_pattern", "pattern_lines", "looser_precision"]
 
 # per numeric quantity, what each dimension indexes: "row" packed query rows, "key" the logical
 # key buffer (raw rows first, then compressed groups), "cmp" compressed ids, "head", "col"
@@ -97,7 +100,20 @@ SINK_VARIANTS = {
     "ignored": (lambda sink: torch.full_like(sink, -math.inf),
                 "out matches the oracle without a sink: the sink is ignored"),
 }
+# precision -> a looser one a kernel may really have, and what that means (contract section 12)
+PRECISION_VARIANTS = {
+    "bf16_accumulation": (
+        lambda p: Precision(acc=torch.bfloat16, io=p.io, stats=torch.bfloat16),
+        "{name} is within the bounds of bfloat16 accumulation: the kernel accumulates (or keeps "
+        "its statistics) in bfloat16 where float32 is assumed"),
+}
 _SQRT_LIMIT = 4096            # a factor c with c**2 or 1/c**2 an integer up to this is named
+
+
+def looser_precision(a: Precision, b: Precision) -> bool:
+    """Whether ``a`` has a larger unit roundoff than ``b`` in its accumulation or statistics."""
+    u = Precision.unit_roundoff
+    return u(a.acc) > u(b.acc) or u(a.stats) > u(b.stats)
 
 
 def _factor_name(c: float) -> str:

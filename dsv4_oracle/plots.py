@@ -388,7 +388,8 @@ def plot_worst_case(result, path: str) -> bool:
                 ax.add_patch(plt.Rectangle((-0.5, t0 - 0.5), r.shape[1], t1 - t0, fill=False,
                                            hatch=hatch, edgecolor="#333333", lw=0.6,
                                            alpha=0.55))
-        mark = " (the worst check)" if q == v.quantity else ""
+        mark = ((" (the check shown)" if v.typical_of else " (the worst check)")
+                if q == v.quantity else "")
         ax.set_title(f"{q}{mark}\nmax {fmt_ratio(float(r[t, h]))} at row {t}, head {h}",
                      fontsize=8, fontweight="bold" if mark else "normal")
         ax.set_xlabel("head" if r.shape[1] > 1 else "", fontsize=8)

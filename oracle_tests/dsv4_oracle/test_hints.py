@@ -122,3 +122,23 @@ def test_the_summary_says_a_forgotten_sink_gradient_is_exactly_0():
     i = lines.index("what is wrong, from the error pattern of the failing checks:")
     assert lines[i + 1] == ("  dsink: dsink is exactly 0 everywhere and the oracle's is not: "
                             "never computed, or never written? (2 of 2 failing checks)")
+
+
+class Bf16Statistics(GpuImplAdapter):
+    """The torch backend's forward with its lse rounded through bfloat16 (statistics kept in
+    bfloat16)."""
+
+    ops = ("sparse_attention_forward",)
+
+    def sparse_attention_forward(self, *args, **kw):
+        out, lse = super().sparse_attention_forward(*args, **kw)[:2]
+        return out, lse.to(torch.bfloat16).to(torch.float32)
+
+
+def test_a_forward_with_bfloat16_statistics_is_named():
+    result = _run(Bf16Statistics(), "capacity-rows")
+    (lse,) = [c for o in result.outcomes for c in o.failed_checks]
+    assert lse.extra["quantity"] == "lse" and lse.extra["pattern"] == "bf16_accumulation"
+    assert lse.detail.endswith("lse is within the bounds of bfloat16 accumulation: the kernel "
+                               "accumulates (or keeps its statistics) in bfloat16 where float32 "
+                               "is assumed")
