@@ -716,7 +716,7 @@ def format_table(results, *, markdown: bool = False, width: int | None = None) -
     w = width or (max(len(x[0]) for x in rows) if rows else 10)
     out = []
     for name, desc, st, exp, n, t, mark, r in rows:
-        out.append(f"{name:{w}s}  {st}{(' ' + exp) if exp else ''}  [{n} case(s), {t:.1f} s]"
+        out.append(f"{name:{w}s}  {st}{(' ' + exp) if exp else ''}  [{plural(n, 'case')}, {t:.1f} s]"
                    f"{mark}")
         if r.status in ("stale", "error") or (mark and r.detail):
             out.append(f"{'':{w}s}  {r.detail}")
