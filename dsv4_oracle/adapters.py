@@ -24,7 +24,8 @@ computed. Built in: ``reference`` (the oracle itself: every ratio must be exactl
 of the runner), ``gpu_impl:torch`` (the portable backend), ``gpu_impl:cudnn`` (cuDNN/Triton
 kernels where they run the op's shapes, the torch backend for the rest, on CUDA). A user's own
 adapter is named ``module:attr`` or ``module`` (the current directory is importable), or
-``path/to/file.py:attr`` (the module is the file, named by its stem).
+``path/to/file.py:attr`` (the module is the file, named by its stem; the modules beside it
+import, as with ``python path/to/file.py``).
 
 ``precision`` may also be a mapping op name -> a Precision or a callable ``dtype -> Precision``,
 for adapters whose ops differ (ops it does not name, and the packed layer unless it names
@@ -43,6 +44,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import types
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -53,6 +55,7 @@ from dsv4_oracle.reference.contract_policies import resolve_policies
 
 from .invoke import describe
 from .protocol import ALL_OPS, LAYER_OP, OPS
+from .wording import did_you_mean, misspelling_of
 
 __all__ = [
     "OPS", "LAYER_OP", "ALL_OPS", "BUILTIN", "AdapterError", "Adapter", "load_adapter",
@@ -149,9 +152,26 @@ class Adapter:
             fns = {o: attr(o) for o in ALL_OPS}
         self._fns = {o: f for o, f in fns.items() if callable(f)}
         self.ops = tuple(o for o in ALL_OPS if o in self._fns)
+        if not isinstance(declared, (tuple, list, set, frozenset)):
+            self._refuse_misspelled_ops(attr)
         if not self.ops:
             raise AdapterError(f"adapter {self.spec} provides none of the ops "
                                f"({', '.join(ALL_OPS)})")
+
+    def _refuse_misspelled_ops(self, attr) -> None:
+        """An attribute whose name misspells an op the adapter lacks
+        (``sparse_attention_foward``) would leave that op to the oracle and pass silently: an
+        :class:`AdapterError` naming the op it resembles."""
+        names = _guarded(f"adapter {self.spec}: listing its attributes", dir, self.target)
+        for a in names:
+            if a.startswith("_") or a in ALL_OPS:
+                continue
+            op = misspelling_of(a, ALL_OPS)
+            if op is not None and op not in self.ops and callable(attr(a)):
+                raise AdapterError(f"adapter {self.spec}: its attribute {a!r} looks like a "
+                                   f"misspelling of the op {op}, which it lacks (the oracle "
+                                   f"would stand in for it, unjudged); rename it {op!r}, or "
+                                   f"start its name with '_' if it is not an op")
 
     def op(self, name: str) -> Callable:
         return self._fns[name]
@@ -223,9 +243,11 @@ class Adapter:
         except (RuntimeError, TypeError) as exc:
             return f"adapter {self.spec}: device {dev!r} is not a torch device ({exc})"
         if d.type == "cuda" and not torch.cuda.is_available():
-            return (f"{self.spec} runs on CUDA, and this machine has no usable CUDA device "
-                    "(torch.cuda.is_available() is False); on a CPU machine use "
-                    "--impl gpu_impl:torch")
+            no_cuda = "this machine has no usable CUDA device (torch.cuda.is_available() is False)"
+            if self.spec in BUILTIN:
+                return f"{self.spec} runs on CUDA, and {no_cuda}; on the CPU use gpu_impl:torch"
+            return (f"adapter {self.spec} runs on {dev!r} (its device), and {no_cuda}: run it on "
+                    f"a CUDA machine, or on the CPU if it can (device 'cpu')")
         if d.type == "meta":
             return (f"device {dev!r} holds no values, and the check compares values; use "
                     f"cpu or cuda")
@@ -276,7 +298,7 @@ class GpuImplAdapter:
         if self.backend == "cudnn":
             if importlib.util.find_spec("cudnn") is None:
                 return ("the cuDNN frontend is not installed (pip install -e '.[gpu]'); "
-                        "use --impl gpu_impl:torch")
+                        "without it use gpu_impl:torch")
         return None
 
     def _kw(self, chunked: bool = True):
@@ -332,7 +354,8 @@ def checked_ops(adapter: "Adapter", ops) -> tuple[str, ...] | None:
     ops = tuple(ops)
     unknown = [o for o in ops if o not in ALL_OPS]
     if unknown:
-        raise ValueError(f"unknown op {unknown[0]!r}; ops are {', '.join(ALL_OPS)}")
+        raise ValueError(f"unknown op {unknown[0]!r}; ops are {', '.join(ALL_OPS)}"
+                         + did_you_mean(unknown[0], ALL_OPS))
     missing = [o for o in ops if not adapter.has(o)]
     if missing:
         raise ValueError(f"{adapter.spec} lacks op {missing[0]} (it provides "
@@ -359,51 +382,65 @@ def _builtin(spec: str, device: str | None) -> Adapter:
     except (RuntimeError, TypeError) as exc:
         raise AdapterError(f"--device {device!r} is not a torch device ({exc})") from None
     if backend == "cudnn" and kind != "cuda":
-        raise AdapterError(f"gpu_impl:cudnn runs on CUDA, not on {device!r}; use "
-                           "--impl gpu_impl:torch for the CPU")
+        raise AdapterError(f"gpu_impl:cudnn runs on CUDA, not on {device!r}; on the CPU use "
+                           "gpu_impl:torch")
     return Adapter(GpuImplAdapter(backend, device), name=spec, device=device, spec=spec)
 
 
-def load_adapter(spec: str, device: str | None = None) -> Adapter:
+def load_adapter(spec: str, device: str | None = None, *, arg: str = "--impl") -> Adapter:
     """The adapter named ``spec``: a built-in (:data:`BUILTIN`), ``module:attr`` or ``module``.
 
     ``attr`` may be dotted. A class is instantiated with no arguments; a function that provides
     no op is called with no arguments and must return the adapter object. ``device`` overrides
-    the adapter's own. Raises :class:`AdapterError` (one line) when anything is wrong.
+    the adapter's own. Raises :class:`AdapterError` (one line, naming the argument ``arg``
+    that gave ``spec``, with the closest valid name for a slip) when anything is wrong.
     """
     if not isinstance(spec, str) or not spec.strip():
-        raise AdapterError("--impl must name an adapter: reference, gpu_impl:torch, "
+        raise AdapterError(f"{arg} must name an adapter: reference, gpu_impl:torch, "
                            "gpu_impl:cudnn, module:attr or path/to/file.py:attr")
     spec = spec.strip()
+    who = f"{arg} {spec}" if arg.startswith("-") else f"{arg} {spec!r}"
     if spec in BUILTIN:
         return _builtin(spec, device)
     if spec.startswith("gpu_impl:"):
-        raise AdapterError(f"unknown built-in {spec!r}; built-ins are {', '.join(BUILTIN)}")
+        raise AdapterError(f"unknown built-in {spec!r}; built-ins are {', '.join(BUILTIN)}"
+                           + did_you_mean(spec, BUILTIN))
     if spec.endswith(".py") or ".py:" in spec:
         path, _, attr = spec.rpartition(".py")
         path, attr = path + ".py", attr[1:]
         if spec.endswith(".py:") or (attr and attr.startswith(":")):
-            raise AdapterError(f"--impl {spec!r} is not of the form path/to/file.py:attr")
-        module_name, obj = _import_file(path, spec)
+            raise AdapterError(f"{who} is not of the form path/to/file.py:attr")
+        module_name, obj = _import_file(path, who)
     else:
         module_name, _, attr = spec.partition(":")
         if not module_name or (":" in spec and not attr):
-            raise AdapterError(f"--impl {spec!r} is not of the form module:attr")
+            raise AdapterError(f"{who} is not of the form module:attr")
         cwd = os.getcwd()
         if cwd not in sys.path and "" not in sys.path:
             sys.path.insert(0, cwd)          # the user's own adapter lives beside them
-        obj = _guarded(f"cannot import module {module_name!r} for --impl {spec}",
-                       importlib.import_module, module_name)
+        try:
+            obj = _guarded(f"cannot import module {module_name!r} for {who}",
+                           importlib.import_module, module_name)
+        except AdapterError as exc:
+            raise AdapterError(f"{exc}{_import_slip(spec, module_name)}") from None
     for part in attr.split(".") if attr else ():
-        has = _guarded(f"--impl {spec}: reading {part!r}", hasattr, obj, part)
+        has = _guarded(f"{who}: reading {part!r}", hasattr, obj, part)
         if not has:
-            raise AdapterError(f"module {module_name!r} has no attribute {attr!r} "
-                               f"(--impl {spec})")
-        obj = _guarded(f"--impl {spec}: reading {part!r}", getattr, obj, part)
-    provides = any(callable(_guarded(f"--impl {spec}: reading {o!r}", getattr, obj, o, None))
+            names = _guarded(f"{who}: listing {module_name!r}", dir, obj)
+            raise AdapterError(f"module {module_name!r} has no attribute {attr!r} ({who})"
+                               + did_you_mean(part, [n for n in names if not n.startswith("_")]))
+        obj = _guarded(f"{who}: reading {part!r}", getattr, obj, part)
+    provides = any(callable(_guarded(f"{who}: reading {o!r}", getattr, obj, o, None))
                    for o in ALL_OPS)
+    if not attr and not provides and isinstance(obj, types.ModuleType):
+        inside = _adapters_in(obj)
+        if inside:
+            form = spec if spec.endswith(".py") else module_name
+            raise AdapterError(f"{who}: module {module_name!r} provides none of the ops itself; "
+                               f"{', '.join(inside)} {'does' if len(inside) == 1 else 'do'}: "
+                               f"name one, as in {arg} {form}:{inside[0]}")
     if isinstance(obj, type) or (callable(obj) and not provides):
-        obj = _guarded(f"--impl {spec}: calling {attr or module_name}() to make the "
+        obj = _guarded(f"{who}: calling {attr or module_name}() to make the "
                        f"adapter failed",
                        obj)
     name = _guarded(f"adapter {spec}: reading its attribute 'name'", getattr, obj, "name", None)
@@ -411,24 +448,86 @@ def load_adapter(spec: str, device: str | None = None) -> Adapter:
     return Adapter(obj, name=name, device=device, spec=spec)
 
 
-def _import_file(path: str, spec: str):
-    """``(module name, module)`` of the adapter file ``path`` (the module is named by the
-    file's stem and imported from that path)."""
+def _adapters_in(module) -> list[str]:
+    """The public classes and objects defined in ``module`` that provide an op."""
+    found = []
+    for n, v in list(vars(module).items()):
+        if n.startswith("_") or isinstance(v, types.ModuleType):
+            continue
+        if isinstance(v, type) and v.__module__ != module.__name__:
+            continue
+        try:
+            if any(callable(getattr(v, o, None)) for o in ALL_OPS):
+                found.append(n)
+        except Exception:             # a property of the user's object: not an adapter then
+            continue
+    return found
+
+
+def _import_slip(spec: str, module_name: str) -> str:
+    """``"; did you mean ..."`` for a module that does not import: a built-in misspelled
+    (``refrence``), or ``module.attr`` written for ``module:attr``."""
+    slip = did_you_mean(spec, BUILTIN)
+    if slip or ":" in spec or "." not in module_name:
+        return slip
+    parent, _, child = module_name.rpartition(".")
+    try:
+        has = hasattr(importlib.import_module(parent), child)
+    except BaseException:             # the user's module: anything it raises means no hint
+        return ""
+    return f"; did you mean {parent}:{child}? (module:attr)" if has else ""
+
+
+def _module_name_for(stem: str, path: str) -> str:
+    """The name under which the adapter file ``path`` is registered in ``sys.modules``: its
+    stem, unless that names another module (the standard library's ``json``, an installed
+    package, a module already imported from elsewhere), which must keep its name for the rest
+    of the run; then a private name."""
+    other = sys.modules.get(stem)
+    if other is None:
+        try:
+            found = importlib.util.find_spec(stem)
+        except (ImportError, ValueError):
+            found = None
+        origin = getattr(found, "origin", None)
+    else:
+        origin = getattr(other, "__file__", None)
+    taken = stem in sys.stdlib_module_names or (
+        (other is not None or origin is not None)
+        and not (origin and os.path.abspath(origin) == path))
+    return f"_dsv4_oracle_adapter_{stem}" if taken else stem
+
+
+def _import_file(path: str, who: str):
+    """``(module name, module)`` of the adapter file ``path``, imported from that path. Its
+    folder is made importable, as ``python path`` does, so that the adapter imports the modules
+    beside it; the folder goes to the end of ``sys.path``, where it shadows no installed or
+    standard module. The module is named by the file's stem (:func:`_module_name_for`)."""
     if not os.path.isfile(path):
-        why = "is a directory" if os.path.isdir(path) else "does not exist"
-        raise AdapterError(f"--impl {spec}: the file {path!r} {why}")
-    name = os.path.splitext(os.path.basename(path))[0]
-    if not name.isidentifier():
-        raise AdapterError(f"--impl {spec}: the file name {os.path.basename(path)!r} is not a "
+        if os.path.isdir(path):
+            raise AdapterError(f"{who}: the file {path!r} is a directory")
+        folder = os.path.dirname(path) or "."
+        here = sorted(f for f in os.listdir(folder) if f.endswith(".py")) \
+            if os.path.isdir(folder) else []
+        slip = did_you_mean(os.path.basename(path), here)
+        raise AdapterError(f"{who}: the file {path!r} does not exist{slip}")
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if not stem.isidentifier():
+        raise AdapterError(f"{who}: the file name {os.path.basename(path)!r} is not a "
                            f"Python module name")
-    loader_spec = importlib.util.spec_from_file_location(name, os.path.abspath(path))
+    full = os.path.abspath(path)
+    folder = os.path.dirname(full)
+    if folder not in sys.path:
+        sys.path.append(folder)         # the modules beside the adapter import
+    name = _module_name_for(stem, full)
+    loader_spec = importlib.util.spec_from_file_location(name, full)
     if loader_spec is None or loader_spec.loader is None:
-        raise AdapterError(f"--impl {spec}: cannot load {path!r} as a Python module")
+        raise AdapterError(f"{who}: cannot load {path!r} as a Python module")
     module = importlib.util.module_from_spec(loader_spec)
     previous = sys.modules.get(name)
     sys.modules[name] = module          # (dataclasses and pickling look the module up)
     try:
-        _guarded(f"cannot import module {name!r} for --impl {spec}",
+        _guarded(f"cannot import module {stem!r} for {who}",
                  loader_spec.loader.exec_module, module)
     except AdapterError:
         if previous is None:
@@ -436,4 +535,4 @@ def _import_file(path: str, spec: str):
         else:
             sys.modules[name] = previous
         raise
-    return name, module
+    return stem, module

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 
 __all__ = ["add_parser", "main_check", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE",
            "EXIT_INTERRUPTED", "DEFAULT_TIMEOUT_S"]
@@ -35,10 +36,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "layer, and judge it against the float64 oracle: error/bound ratios of the "
                     "contract's error model, exact checks, bitwise replays, grad-mode parity "
                     "and input immutability. Exit status 0 iff every check holds.",
-        epilog="Adapters: 'reference' (the oracle; every ratio must be 0), 'gpu_impl:torch', "
-               "'gpu_impl:cudnn', or your own 'module:attr' (see examples/"
-               "megatron_style_adapter.py). Default: gpu_impl:cudnn on a CUDA machine, else "
-               "gpu_impl:torch on the CPU.")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(textwrap.fill(t, 78) for t in (
+            "Adapters: 'reference' (the oracle; every ratio must be 0), 'gpu_impl:torch', "
+            "'gpu_impl:cudnn', or your own as 'module:attr' or 'path/to/file.py:attr' "
+            "('dsv4-oracle init-adapter' writes one that passes as written; a worked example "
+            "is dsv4_oracle.examples.megatron_style_adapter:MegatronStyleAdapter). "
+            "Default: gpu_impl:cudnn on a CUDA machine, else gpu_impl:torch on the CPU.",
+            "Exit status: 0 every check holds; 1 a check failed (each failing check is "
+            "printed); 2 a bad invocation (one line on stderr); 130 interrupted.")))
     p.add_argument("--impl", metavar="SPEC", default=None,
                    help="the implementation: reference | gpu_impl:torch | gpu_impl:cudnn | "
                         "module:attr | path/to/file.py:attr (default: gpu_impl:cudnn with "
@@ -54,6 +60,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(default: the CPU, the definition)")
     p.add_argument("--case", metavar="PATTERN", action="append", default=[],
                    help="case id or glob (e.g. 'sink-*'); repeatable")
+    p.add_argument("--shape", metavar="SPEC", action="append", default=[],
+                   help="check at your own shapes instead of the catalog: a case built from "
+                        "key=value pairs, e.g. 'H=64,D=512,K=512,W=128,T=4096,sink=finite' "
+                        "(keys: H, D, Dv, K, W, ratio, H_I, D_I, T, dtype, sink "
+                        "finite|none|+inf|large|log_k|mixed, layer csa|hca|window|dsa, layout "
+                        "mixed|single|uniform, B, seed; the others take the DSv4-Flash "
+                        "values); repeatable")
     p.add_argument("--ops", default=None,
                    help="comma-separated ops to check (default: every op the adapter has); "
                         f"ops: {', '.join(ALL_OPS)}")
@@ -118,20 +131,34 @@ def main_check(args) -> int:
 def _main_check(args) -> int:
     from .adapters import AdapterError, checked_ops, default_impl, load_adapter
     from .runner import SelectionError, run_check, select_cases
+    from .wording import plural
 
     if args.replays < 0:
         return _usage_error(f"--replays must be >= 0, got {args.replays}")
     if not args.timeout >= 0 or args.timeout == float("inf"):
         return _usage_error(f"--timeout must be a number of seconds >= 0 (0: no limit), got "
                             f"{args.timeout:g}")
-    try:
-        cases, catalog = select_cases(args.catalog, args.case)
-    except SelectionError as exc:
-        return _usage_error(str(exc))
+    if args.shape:
+        if args.case or args.catalog:
+            return _usage_error("--shape builds its own cases: leave out --case and --catalog")
+        from dsv4_oracle.fixtures.shapes import describe, shape_case
+        cases, catalog = [], "shape"
+        for spec in args.shape:
+            try:
+                cases.append(shape_case(spec))
+            except (TypeError, ValueError) as exc:
+                return _usage_error(f"--shape {spec!r}: {exc}")
+    else:
+        try:
+            cases, catalog = select_cases(args.catalog, args.case)
+        except SelectionError as exc:
+            return _usage_error(str(exc))
     if args.list:
         for c in cases:
-            print(f"{c.id:34s} {', '.join(c.categories)}")
-        print(f"{len(cases)} cases ({catalog} catalog)")
+            what = describe(c) if args.shape else ", ".join(c.categories)
+            print(f"{c.id:34s} {what}")
+        print(f"{plural(len(cases), 'case')} ({catalog} catalog)" if not args.shape else
+              f"{plural(len(cases), 'case')} at your shapes")
         return EXIT_OK
     if args.oracle_device is not None:
         from dsv4_oracle.reference._checks import as_device
@@ -139,6 +166,16 @@ def _main_check(args) -> int:
             as_device(args.oracle_device, "--oracle-device")
         except (TypeError, ValueError) as exc:
             return _usage_error(str(exc))
+    if args.device is not None:
+        import torch
+        try:
+            kind = torch.device(args.device).type
+        except (RuntimeError, TypeError) as exc:
+            return _usage_error(f"--device {args.device!r} is not a torch device ({exc})")
+        if kind == "cuda" and not torch.cuda.is_available():
+            return _usage_error(f"--device {args.device}: this machine has no usable CUDA device "
+                                f"(torch.cuda.is_available() is False); leave out --device to "
+                                f"run on the adapter's own device")
     spec = default_impl() if args.impl is None else args.impl
     try:
         adapter = load_adapter(spec, device=args.device)
@@ -171,7 +208,7 @@ def _main_check(args) -> int:
     bar = ProgressBar(len(cases), enabled=progress_enabled(sys.stderr, args.no_progress),
                       label=f"check {adapter.spec}", lines=args.verbose)
     try:
-        result = run_check(adapter, cases, catalog=catalog, patterns=args.case,
+        result = run_check(adapter, cases, catalog=catalog, patterns=args.case or args.shape,
                            replays=args.replays, ops=ops, progress=bar,
                            timeout=args.timeout or None, hard_exit=True,
                            oracle_device=args.oracle_device)
@@ -180,8 +217,8 @@ def _main_check(args) -> int:
     if result.judged == 0:
         what = f"--ops {','.join(ops)}" if ops else f"adapter {adapter.spec}'s ops"
         ids = ", ".join(c.id for c in cases[:3]) + (", ..." if len(cases) > 3 else "")
-        return _usage_error(f"nothing was judged: {what} on the {len(cases)} selected "
-                            f"case(s) ({ids}) yield no check that can fail (csa_layer runs on "
+        return _usage_error(f"nothing was judged: {what} on the {plural(len(cases), 'selected case')} "
+                            f"({ids}) yield no check that can fail (csa_layer runs on "
                             f"layer cases with indexer scores, the attention ops on every case)")
     rc = _present(result, args)
     from .invoke import abandoned

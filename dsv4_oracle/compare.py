@@ -258,9 +258,18 @@ def compare_numeric(name: str, actual, expected, bound) -> CheckResult:
     ei = abs(av - ev) if math.isfinite(av) and math.isfinite(ev) else 0.0
     extra = {"max_error": s.max_error, "worst_index": idx, "worst_error": ei,
              "worst_bound": bv, "numel": n, "ill_conditioned": s.n_ill}
-    at = (f"ratio {worst:.3g} (error {ei:.3g} / bound {bv:.3g}) at {idx}: "
-          f"actual {av!r}, expected {ev!r}")
-    ill_txt = f"; {s.n_ill} of {n} elements not judged (ill-conditioned)" if s.n_ill else ""
+    if ev == 0.0 and not passed:    # the contract makes it exactly 0: say so, not a ratio
+        extra["expected_zero"] = True
+        zeros = "everywhere" if s.n_zero == n else f"at {s.n_zero} of {n} elements"
+        at = (f"expected exactly 0 {zeros}; actual {av!r} at {idx} (error {ei:.3g}, bound "
+              f"{bv:.3g}: ratio {worst:.3g})")
+    else:
+        at = (f"ratio {worst:.3g} (error {ei:.3g} / bound {bv:.3g}) at {idx}: "
+              f"actual {av!r}, expected {ev!r}")
+    # ill-conditioned elements over their bound fail the check: only the others are not judged
+    quiet = s.n_ill - s.n_ill_over
+    ill_txt = (f"; {quiet} of {n} elements not judged (ill-conditioned)" if quiet and judged
+               else "")
     if not judged:
         return CheckResult(name, "numeric", True, worst, 0,
                            f"not judged: all {n} elements ill-conditioned (bound >= |expected|); "
@@ -302,7 +311,7 @@ class _NumericScan:
         self.seen = 0                    # elements scanned so far: the next chunk's offset
         self.nbad, self.first_bad = 0, None
         self.max_error = 0.0
-        self.over = self.n_ill = 0
+        self.over = self.n_ill = self.n_ill_over = self.n_zero = 0
         self.worst_all = (-math.inf, 0)
         self.worst_judged = (-math.inf, 0)
 
@@ -325,6 +334,8 @@ class _NumericScan:
         r = error_ratios(a64, e64, b64).reshape(-1)
         ill = ill_conditioned(e64, b64).reshape(-1)
         self.n_ill += int(ill.sum())
+        self.n_ill_over += int((ill & (r > 1)).sum())
+        self.n_zero += int((e64 == 0).sum())
         self.over += int((r > 1).sum())
         i = int(torch.argmax(r))
         self.worst_all = self._better(self.worst_all, float(r[i]), off + i)

@@ -49,7 +49,8 @@ from dsv4_oracle.reference.contract_policies import DEFAULT_POLICIES, resolve_po
 from dsv4_oracle.reference._checks import as_device, compute_on, to_cpu
 
 from .adapters import Adapter
-from .hints import AXES, concentration_hint
+from .hints import (AXES, PRECISION_VARIANTS, SINK_VARIANTS, concentration_hint,
+                    looser_precision, nonfinite_pattern, what_is_wrong)
 from .invoke import OpError, call_op
 from .compare import (CheckResult, compare_exact, compare_numeric, compare_topk, content_hash,
                       error_ratios, near_tie_rows, not_judged, row_chunks)
@@ -568,29 +569,41 @@ class _Judging:
                          *(v[r] for r in st.reads))
 
     def numeric(self, name: str, expected, bound) -> CheckResult:
-        """:func:`compare_numeric` of ``got[name]``, plus hints when it fails: where the
-        over-bound elements concentrate, and whether ``-actual`` would pass (a flipped sign)."""
+        """:func:`compare_numeric` of ``got[name]``, plus hints when it fails
+        (:mod:`dsv4_oracle.hints`): what the error pattern says is wrong (exactly 0, a flipped
+        sign, a constant factor, NaN where the oracle is finite, ...) and where the over-bound
+        elements concentrate."""
         actual = self.got[name]
         if self.record is not None:
             self.record[name] = (expected, bound)
         with self.comparing():
             res = compare_numeric(name, actual, expected, bound)
-        if res.passed or res.ratio is None or not math.isfinite(res.ratio) or \
-                tuple(actual.shape) != tuple(expected.shape):
+        if res.passed or res.ratio is None or tuple(actual.shape) != tuple(expected.shape):
             return _tagged(res, name)
         hints, extra = [], {}
         with self.comparing():
-            over = (error_ratios(actual.detach(), expected, bound) > 1).to("cpu")
-        where_ = concentration_hint(over, AXES.get(name, ()), self.lay) \
+            if "nonfinite_mismatches" in res.extra:
+                a64, e64 = actual.detach().to(F64), expected.detach().to(F64)
+                over = (torch.isnan(a64) != torch.isnan(e64)) | (
+                    torch.isinf(a64) != torch.isinf(e64)) | (
+                    torch.isinf(a64) & torch.isinf(e64) & (a64 != e64))
+                wrong = nonfinite_pattern(name, actual, expected)
+            else:
+                over = error_ratios(actual.detach(), expected, bound) > 1
+                wrong = what_is_wrong(name, actual, expected, bound)
+            over = over.to("cpu")
+        if wrong:
+            hints.append(wrong.phrase)
+            extra.update(pattern=wrong.key, what_is_wrong=wrong.phrase)
+            if wrong.key == "sign":
+                extra["hint"] = "sign"
+        what = "non-finite mismatches" if "nonfinite_mismatches" in res.extra else None
+        where_ = concentration_hint(over, AXES.get(name, ()), self.lay,
+                                    **({"what": what} if what else {})) \
             if over.dim() == len(AXES.get(name, ())) else None
         if where_:
             hints.append(where_)
             extra["concentration"] = where_
-        with self.comparing():
-            flipped = compare_numeric(name, -actual.detach().to("cpu", F64), expected, bound)
-        if flipped.passed:
-            hints.append("-actual is within the bound everywhere: a flipped sign?")
-            extra["hint"] = "sign"
         if hints:
             extra["hints"] = "".join(f"; {h}" for h in hints)
         detail = res.detail + extra.get("hints", "")
@@ -664,10 +677,12 @@ def _judge_forward(j: _Judging, st: Stage) -> list:
         v["q"], v["kv"], v["ids"], v["sink"], out_o, lse_o, precision=p, v_dim=j.case.v_dim,
         lengths=v["att_lengths"], scale=j.case.scale), *(v[r] for r in st.reads))
     checks = []
-    if "out" in j.got:
-        checks.append(j.numeric("out", out_o, b_out))
-    if "lse" in j.got:
-        checks.append(j.numeric("lse", lse_o, b_lse))
+    for name, exp, b in (("out", out_o, b_out), ("lse", lse_o, b_lse)):
+        if name in j.got:
+            c = j.numeric(name, exp, b)
+            if not c.passed and "pattern" not in c.extra:
+                c = _forward_variant_hint(j, st, v, c, name)
+            checks.append(c)
     empty = _sink_only_rows(j)
     for name, exp, what in (("out", torch.zeros_like(out_o), "out == 0"),
                             ("lse", lse_o, "lse == +inf")):
@@ -681,6 +696,35 @@ def _judge_forward(j: _Judging, st: Stage) -> list:
                     j.maps[name] = error_ratio_map(g, out_o if name == "out" else lse_o,
                                                    b_out if name == "out" else b_lse).cpu()
     return checks
+
+
+def _forward_variant_hint(j: _Judging, st: Stage, v: dict, check: CheckResult, name: str):
+    """``check``, a failed ``out`` or ``lse``, with the hint of the first variant of the
+    forward under which it is within the bound (:mod:`dsv4_oracle.hints`): the sink negated or
+    ignored (:data:`hints.SINK_VARIANTS`, ``out`` only: ``lse`` excludes the sink), then a
+    looser working precision than the one assumed (:data:`hints.PRECISION_VARIANTS`)."""
+    p = j.prec(st.op)
+    variants = [(f"sink_{k}", fn(v["sink"]), p, phrase)
+                for k, (fn, phrase) in SINK_VARIANTS.items() if name == "out"]
+    variants += [(k, v["sink"], fn(p), phrase.format(name=name))
+                 for k, (fn, phrase) in PRECISION_VARIANTS.items()
+                 if looser_precision(fn(p), p)]
+    for key, sink, prec, phrase in variants:
+        if prec is p and torch.equal(sink, v["sink"]):
+            continue
+        w = {**v, "sink": sink}
+        alt = j.oracle(st, sink=sink)
+        bound = j.memo(("bound", st.op, prec), lambda: EM.attention_forward_bound(
+            w["q"], w["kv"], w["ids"], w["sink"], *alt, precision=prec, v_dim=j.case.v_dim,
+            lengths=w["att_lengths"]), *(w[r] for r in st.reads))
+        with j.comparing():
+            if compare_numeric(name, j.got[name], alt[("out", "lse").index(name)],
+                               bound[("out", "lse").index(name)]).passed:
+                return _tagged(dataclasses.replace(
+                    check, detail=f"{check.detail}; {phrase}",
+                    extra={**check.extra, "hints": f"{check.extra.get('hints', '')}; {phrase}",
+                           "pattern": key, "what_is_wrong": phrase}), name)
+    return check
 
 
 _GRADS = ("dq", "dkv", "dsink")

@@ -43,6 +43,8 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
+from .wording import plural
+
 __all__ = ["Mutant", "MUTANTS", "StaleMutant", "MutantResult", "mutant_source", "build_adapter",
            "case_order", "run_mutant", "run_mutation", "format_table", "main"]
 
@@ -825,7 +827,7 @@ def format_table(results, *, markdown: bool = False, width: int | None = None) -
     w = width or (max(len(x[0]) for x in rows) if rows else 10)
     out = []
     for name, desc, st, exp, n, t, mark, r in rows:
-        out.append(f"{name:{w}s}  {st}{(' ' + exp) if exp else ''}  [{n} case(s), {t:.1f} s]"
+        out.append(f"{name:{w}s}  {st}{(' ' + exp) if exp else ''}  [{plural(n, 'case')}, {t:.1f} s]"
                    f"{mark}")
         if r.status in ("stale", "error") or (mark and r.detail):
             out.append(f"{'':{w}s}  {r.detail}")
@@ -860,7 +862,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("mutate", help="mutation testing: plant bugs in the torch backend and "
                                       "show which check kills each",
-                       description=__doc__.split("\n\n")[0])
+                       description=__doc__.split("\n\n")[0].replace("``", ""))
     return add_arguments(p)
 
 
@@ -874,7 +876,7 @@ def main_mutate(args) -> int:
         for m in mutants:
             where = "lane" if m.lane else ", ".join(m.files)
             print(f"{m.name:36s} [{m.expect}; {where}] {m.description}")
-        print(f"{len(mutants)} mutants")
+        print(plural(len(mutants), "mutant"))
         return 0
 
     def progress(m, case):
@@ -904,10 +906,10 @@ def main_mutate(args) -> int:
     stale = [r for r in results if r.status == "stale"]
     killed = sum(r.status == "killed" for r in results if r.mutant.expect == "killed")
     want = sum(1 for r in results if r.mutant.expect == "killed" and r.status != "lane")
-    print(f"\n{killed} of {want} bug mutants killed; {len(bad)} unexpected; "
+    print(f"\n{killed} of {plural(want, 'bug mutant')} killed; {len(bad)} unexpected; "
           f"{time.perf_counter() - t0:.0f} s")
     if stale:
-        print(f"STALE: {len(stale)} mutant(s) no longer match the source; update them in "
+        print(f"STALE: {plural(len(stale), 'mutant')} no longer match the source; update them in "
               "dsv4_oracle/mutation.py", file=sys.stderr)
     try:
         if args.json:
@@ -922,7 +924,7 @@ def main_mutate(args) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dsv4_oracle.mutation",
-                                description=__doc__.split("\n\n")[0])
+                                description=__doc__.split("\n\n")[0].replace("``", ""))
     add_arguments(p)
     return main_mutate(p.parse_args(argv))
 

@@ -5,9 +5,10 @@ written without plots).
 - :func:`plot_ratio_grid` (``ratios.png``): error/bound per case (rows) and quantity (columns),
   the worst over the op and layer levels; cells no check judged are marked by why
   (:func:`ratio_grid` computes the cells, :func:`grid_legend` the legend);
-- :func:`plot_worst_case` (``worst_case.png``): the summary's worst check (the same rule,
-  ``dsv4_oracle.report._worst``): per ``(row, head)`` error/bound of that case, level
-  and quantity, with the other maps of that case and level beside it and padding and sink-only
+- :func:`plot_worst_case` (``worst_case.png``): on a passing run the summary's worst check
+  (the same rule, ``dsv4_oracle.report._worst``), on a failing run a typical failing check
+  (:func:`typical_failure`): per ``(row, head)`` error/bound of that case, level and
+  quantity, with the other maps of that case and level beside it and padding and sink-only
   rows marked (:func:`worst_view` chooses what is shown).
 
 Both use one colour scale with a hard break at the bound (ratio 1): decades of blue for ratios
@@ -276,12 +277,40 @@ class WorstView:
     padding: np.ndarray | None
     sink_only: np.ndarray | None
     note: str | None
+    typical_of: int | None = None       # a failing run: the median of this many failing checks
+
+
+def typical_failure(result):
+    """``(ratio, case, level, quantity, n)``: the check that represents a failing run, or
+    ``None`` when no numeric check failed with a finite ratio. Of the failing quantity with a
+    per-(row, head) map (:data:`MAPPED`) that fails most often (else of any failing quantity),
+    the check with the median ratio among its ``n`` failing checks. A check that failed on a
+    value the contract makes exactly 0 is left out: its bound is near 0, so its ratio (1e30
+    and more) measures nothing."""
+    fails: dict = {}
+    for o in result.outcomes:
+        for c in o.failed_checks:
+            if c.kind == "numeric" and c.ratio is not None and np.isfinite(c.ratio) and \
+                    not c.extra.get("expected_zero"):
+                fails.setdefault(c.extra.get("quantity"), []).append((c.ratio, o.case.id,
+                                                                      c.extra.get("level")))
+    if not fails:
+        return None
+    order = list(QUANTITIES)
+    q = max(fails, key=lambda q: (q in MAPPED, len(fails[q]),
+                                  -order.index(q) if q in order else -len(order)))
+    ranked = sorted(fails[q], key=lambda f: f[0])
+    ratio, case_id, level = ranked[(len(ranked) - 1) // 2]
+    return ratio, case_id, level, q, len(ranked)
 
 
 def worst_view(result) -> WorstView | None:
-    """The view of ``worst_case.png`` (``None`` when no check has a judged ratio): the same
-    worst check as the summary (``dsv4_oracle.report._worst``), never another case."""
-    w = worst_check(result)
+    """The view of ``worst_case.png`` (``None`` when no check has a judged ratio): on a
+    passing run the summary's worst check (``dsv4_oracle.report._worst``), on a failing one
+    its :func:`typical_failure` (the most extreme ratio of a failing run is often an outlier:
+    an element whose bound is near 0); never another case's maps."""
+    typical = None if result.passed else typical_failure(result)
+    w = typical[:4] if typical else worst_check(result)
     if w is None:
         return None
     ratio, case_id, level, quantity = w
@@ -301,7 +330,8 @@ def worst_view(result) -> WorstView | None:
     flags = {k: (np.asarray(maps[k], dtype=bool) if k in maps else None)
              for k in ("padding", "sink_only")}
     return WorstView(case_id, level, quantity, _as_float(ratio), o.passed, panels,
-                     flags["padding"], flags["sink_only"], note)
+                     flags["padding"], flags["sink_only"], note,
+                     typical[4] if typical else None)
 
 
 def plot_worst_case(result, path: str) -> bool:
@@ -314,7 +344,9 @@ def plot_worst_case(result, path: str) -> bool:
     plt = _mpl()
     from matplotlib.colors import BoundaryNorm, ListedColormap
     from matplotlib.patches import Patch
-    title = (f"worst check of the run: {v.quantity} of case {v.case} [{v.level}], ratio "
+    what = (f"a typical failing check (the median ratio of {v.typical_of} failing "
+            f"{v.quantity} checks)" if v.typical_of else "worst check of the run")
+    title = (f"{what}: {v.quantity} of case {v.case} [{v.level}], ratio "
              f"{fmt_ratio(v.ratio)} ({'case passed' if v.case_passed else 'case FAILED'})")
     if not v.panels:
         fig = plt.figure(figsize=(8.0, 2.6), dpi=110)
@@ -356,7 +388,8 @@ def plot_worst_case(result, path: str) -> bool:
                 ax.add_patch(plt.Rectangle((-0.5, t0 - 0.5), r.shape[1], t1 - t0, fill=False,
                                            hatch=hatch, edgecolor="#333333", lw=0.6,
                                            alpha=0.55))
-        mark = " (the worst check)" if q == v.quantity else ""
+        mark = ((" (the check shown)" if v.typical_of else " (the worst check)")
+                if q == v.quantity else "")
         ax.set_title(f"{q}{mark}\nmax {fmt_ratio(float(r[t, h]))} at row {t}, head {h}",
                      fontsize=8, fontweight="bold" if mark else "normal")
         ax.set_xlabel("head" if r.shape[1] > 1 else "", fontsize=8)

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from .wording import plural
+
 __all__ = ["PowerRow", "power_of", "case_power", "power_table", "format_table", "main",
            "TARGET"]
 
@@ -128,16 +130,18 @@ def format_table(rows, *, markdown: bool = False) -> str:
         return "  <-- nothing judged" if r.ill_conditioned else ""
     body = [(r.case, r.quantity, str(r.elements), str(r.judged), str(r.exact),
              str(r.ill_conditioned), str(r.ill_zeros), str(r.nonfinite), _pct(r.min_threshold),
-             _pct(r.median_threshold) + flag(r)) for r in rows]
+             _pct(r.median_threshold)) for r in rows]
+    flags = [flag(r) for r in rows]
     if markdown:
         out = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
-        out += ["| " + " | ".join(b) + " |" for b in body]
+        out += ["| " + " | ".join(b[:-1] + (b[-1] + f,)) + " |" for b, f in zip(body, flags)]
         return "\n".join(out)
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
               for i, h in enumerate(head)]
     fmt = lambda cols: "  ".join(c.ljust(w) if i < 2 else c.rjust(w)  # noqa: E731
-                                 for i, (c, w) in enumerate(zip(cols, widths))).rstrip()
-    return "\n".join([fmt(head)] + [fmt(b) for b in body])
+                                 for i, (c, w) in enumerate(zip(cols, widths)))
+    # the flag after the last column, outside its width: the columns stay aligned
+    return "\n".join([fmt(head).rstrip()] + [(fmt(b) + f).rstrip() for b, f in zip(body, flags)])
 
 
 def exceptions(rows) -> list[PowerRow]:
@@ -172,7 +176,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("power", help="the power table: the smallest relative error of one "
                                      "element each numeric check detects",
-                       description=__doc__.split("\n\n")[0])
+                       description=__doc__.split("\n\n")[0].replace("``", ""))
     return add_arguments(p)
 
 
@@ -187,7 +191,7 @@ def main_power(args) -> int:
     if args.list:
         for c in cases:
             print(c.id)
-        print(f"{len(cases)} cases ({catalog} catalog)")
+        print(f"{plural(len(cases), 'case')} ({catalog} catalog)")
         return 0
     try:
         from dsv4_oracle.reference.contract_policies import resolve_policies
@@ -208,7 +212,8 @@ def main_power(args) -> int:
         print("\r\033[K", end="", file=sys.stderr)
     print(format_table(rows))
     bad = exceptions(rows)
-    print(f"\n{len(rows)} (case, quantity) rows over {len(cases)} cases ({catalog} catalog); "
+    print(f"\n{plural(len(rows), '(case, quantity) row')} over {plural(len(cases), 'case')} "
+          f"({catalog} catalog); "
           f"{len(bad)} above the 1% target; {time.perf_counter() - t0:.0f} s")
     for r in bad:
         print(f"  {r.case} / {r.quantity}: min {_pct(r.min_threshold)}, "
@@ -226,7 +231,7 @@ def main_power(args) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dsv4_oracle.power",
-                                description=__doc__.split("\n\n")[0])
+                                description=__doc__.split("\n\n")[0].replace("``", ""))
     add_arguments(p)
     return main_power(p.parse_args(argv))
 

@@ -30,10 +30,14 @@ def _clock(s: float) -> str:
 
 
 class ProgressBar:
-    """``[#######------]  12/33  sink-mixed  0:21 elapsed ~0:35 left  1 failing``."""
+    """``check X [#######------]  12/33  sink-mixed            0:21  ~0:35 left  1 failing``.
+
+    The bar, the counts and the case id keep their width for the whole run (the id padded or
+    cut to ``id_width``, the label cut to 32 characters), so the line does not jump as cases
+    finish."""
 
     def __init__(self, total: int, *, enabled: bool = True, stream=None, label: str = "check",
-                 lines: bool = False):
+                 lines: bool = False, id_width: int = 24):
         self.total = max(int(total), 0)
         self.enabled = enabled
         self.lines = lines and not enabled
@@ -43,7 +47,8 @@ class ProgressBar:
         self.failing = 0
         self.t0 = time.perf_counter()
         self._width = 0
-
+        self.id_width = id_width
+        self._bar_w = None                  # fixed at the first draw
     def __call__(self, event: str, case, outcome) -> None:
         """The :func:`dsv4_oracle.runner.run_check` callback."""
         if event == "done":
@@ -62,13 +67,19 @@ class ProgressBar:
         cols = shutil.get_terminal_size((100, 20)).columns
         elapsed = time.perf_counter() - self.t0
         frac = self.done / self.total if self.total else 1.0
-        left = (f" ~{_clock(elapsed / self.done * (self.total - self.done))} left"
-                if self.done else "")
+        left = (_clock(elapsed / self.done * (self.total - self.done)) if self.done else "-:--")
         fail = f"  {self.failing} failing" if self.failing else ""
-        tail = f" {self.done}/{self.total}  {current}  {_clock(elapsed)}{left}{fail}"
-        bar_w = max(10, min(40, cols - len(self.label) - len(tail) - 6))
-        fill = int(round(frac * bar_w))
-        line = f"{self.label} [{'#' * fill}{'-' * (bar_w - fill)}]{tail}"
+        n = len(str(self.total))
+        label = self.label[:32]
+        if self._bar_w is None:             # fixed at the first draw: the line never jumps
+            # room for the label, a bar of 10, the counts, clocks and a failing count
+            room = cols - 1 - len(label) - 12 - (2 * n + 2) - 22 - 14
+            self.id_width = max(8, min(self.id_width, room))
+            self._bar_w = max(10, min(40, room - self.id_width + 10))
+        cur = current[:self.id_width].ljust(self.id_width)
+        tail = f" {self.done:>{n}}/{self.total}  {cur}  {_clock(elapsed):>5}  ~{left:>5} left"
+        fill = int(round(frac * self._bar_w))
+        line = f"{label} [{'#' * fill}{'-' * (self._bar_w - fill)}]{tail}{fail}"
         return line[:cols - 1]
 
     def draw(self, current: str = "") -> None:

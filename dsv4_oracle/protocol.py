@@ -42,7 +42,7 @@ import torch
 from dsv4_oracle.reference.layout import PackedLayout
 
 __all__ = [
-    "OPS", "LAYER_OP", "ALL_OPS", "SECTIONS", "PROTOCOLS",
+    "OPS", "LAYER_OP", "ALL_OPS", "SECTIONS", "PROTOCOLS", "fed_by_oracle", "ops_line",
     "IndexerScoresOp", "StableTopkOp", "BuildCsaIndicesOp", "SparseAttentionForwardOp",
     "SparseAttentionBackwardOp", "SparseIndexerLossOp", "SparseIndexerLossGradOp",
     "CsaLayerOp", "LayerOutput", "IndexerLossOutput",
@@ -56,6 +56,23 @@ OPS = ("indexer_scores", "stable_topk", "build_csa_indices", "sparse_attention_f
 # the packed layer: the same pipeline in one call, with autograd
 LAYER_OP = "csa_layer"
 ALL_OPS = OPS + (LAYER_OP,)
+
+
+def fed_by_oracle(ops) -> tuple[str, ...]:
+    """The pipeline ops that ``ops`` (the ops an implementation provides) lack but read from:
+    the ops before the last of ``ops`` in :data:`OPS` order, whose results the checker feeds
+    from the oracle (rounded as a kernel stores them); the packed layer feeds nothing."""
+    mine = [OPS.index(o) for o in ops if o in OPS]
+    return tuple(o for o in OPS[:max(mine)] if o not in ops) if mine else ()
+
+
+def ops_line(ops) -> str:
+    """``ops judged: ...; fed by the oracle: ...`` for ``ops`` (the ops checked)."""
+    fed = fed_by_oracle(ops)
+    return (f"ops judged: {', '.join(o for o in ALL_OPS if o in ops) or 'none'}"
+            + (f"; fed by the oracle (where a case has them): {', '.join(fed)}" if fed else ""))
+
+
 # op -> the contract section it implements
 SECTIONS = {"indexer_scores": "7", "stable_topk": "4", "build_csa_indices": "5",
             "sparse_attention_forward": "6", "sparse_attention_backward": "6",

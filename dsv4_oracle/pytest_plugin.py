@@ -137,13 +137,28 @@ class ConformanceError(AssertionError):
         self.outcome = outcome
 
 
-def cases(catalog: str = "quick", pattern=None) -> list:
-    """The runnable cases of ``catalog`` (``"quick"``: 35 small cases touching every category;
+def cases(catalog: str = "quick", pattern=None, *, shape=None) -> list:
+    """The runnable cases of ``catalog`` (``"quick"``: small cases touching every category;
     ``"full"``: every runnable catalog case) as ``pytest.param(case, id=case.id)``, in catalog
     order. ``pattern``: a case id or shell glob (``"sink-*"``), or a list of them, each of which
     must match a case of the catalog. Cases of :data:`PRODUCTION_CATEGORIES` carry the
-    ``production`` marker."""
+    ``production`` marker. ``shape``: instead of the catalog, cases at your own shapes, one per
+    spec (``"H=64,D=512,K=512,W=128,T=4096,sink=finite"``, a dict of the same keys, or a list
+    of them; :func:`fixtures.shape_case`)."""
     from .runner import CATALOGS, SelectionError, select_cases
+
+    if shape is not None:
+        if catalog != "quick" or pattern is not None:
+            raise ValueError("shape builds its own cases: leave out catalog and pattern")
+        from dsv4_oracle.fixtures.shapes import shape_case
+        specs = shape if isinstance(shape, list) else [shape]
+        built = []
+        for s in specs:
+            try:
+                built.append(shape_case(s))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"shape {s!r}: {exc}") from None
+        return [pytest.param(c, id=c.id) for c in built]
 
     if not isinstance(catalog, str) or catalog not in CATALOGS:
         raise ValueError(f"catalog must be one of {', '.join(CATALOGS)}, got {catalog!r}")
@@ -157,9 +172,9 @@ def cases(catalog: str = "quick", pattern=None) -> list:
         raise TypeError(f"pattern must be a case id or glob, or a list of them, got "
                         f"{type(pattern).__name__}")
     try:
-        selected, _ = select_cases(catalog, patterns)
+        selected, _ = select_cases(catalog, patterns, cli=False)
     except SelectionError as exc:
-        raise ValueError(f"pattern: {exc}") from None
+        raise ValueError(str(exc)) from None
     return [pytest.param(c, id=c.id, marks=[pytest.mark.production]
                          if set(c.categories) & set(PRODUCTION_CATEGORIES) else [])
             for c in selected]
@@ -173,8 +188,10 @@ def _case(case):
         try:
             return fixtures.get(case)
         except KeyError:
-            raise ValueError(f"case: no catalog case has id {case!r} (see dsv4-oracle check "
-                             "--list --catalog full)") from None
+            from .wording import did_you_mean
+            slip = did_you_mean(case, [c.id for c in fixtures.catalog()])
+            raise ValueError(f"case: no catalog case has id {case!r}"
+                             + (slip or " (fixtures.catalog() lists them)")) from None
     raise TypeError(f"case must be a fixtures.Case or a case id, got {type(case).__name__}")
 
 
@@ -189,7 +206,7 @@ def _adapter(implementation, precision):
                            device=implementation.device, precision=precision,
                            spec=implementation.spec)
         if isinstance(implementation, str):
-            a = load_adapter(implementation)
+            a = load_adapter(implementation, arg="implementation")
             return a if precision is None else Adapter(a.target, name=a.name, device=a.device,
                                                        precision=precision, spec=a.spec)
         if implementation is None:
@@ -257,7 +274,7 @@ def assert_conforms(implementation, case, *, replays: int = 2, ops=None, precisi
         pytest.skip(why)
     outcome = check_case(adapter, the_case, replays=replays, ops=ops)
     if not outcome.passed:
-        raise ConformanceError(format_case(outcome, adapter), outcome)
+        raise ConformanceError(format_case(outcome, adapter, ops), outcome)
     if not any(c.judged for c in outcome.checks):
         pytest.skip(f"{the_case.id}: nothing judged for {adapter.spec} ("
                     + (f"{len(outcome.checks)} checks, none judged" if outcome.checks else

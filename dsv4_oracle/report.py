@@ -27,6 +27,7 @@ import torch
 from .compare import STATUSES
 from .conformance import BACKWARD_CONVENTIONS, QUANTITIES
 from .runner import LEVELS, RunResult
+from .wording import plural
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "quantity_rows", "report_dict", "validate_report",
            "format_summary", "format_case", "write_report", "write_junit", "fmt_ratio",
@@ -352,6 +353,19 @@ def _table(header, rows) -> list[str]:
     return [fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]
 
 
+def what_is_wrong_lines(result: RunResult) -> list[str]:
+    """Per failing quantity, the most common error pattern of its failing checks
+    (:func:`dsv4_oracle.hints.pattern_lines`), in the order of the quantity table."""
+    from .hints import Pattern, pattern_lines
+    failed = [(c.extra.get("quantity", "run"),
+               Pattern(c.extra["pattern"], c.extra["what_is_wrong"])
+               if "what_is_wrong" in c.extra else None)
+              for o in result.outcomes for c in o.failed_checks]
+    order = [r["quantity"] for r in quantity_rows(result)]
+    return sorted(pattern_lines(failed), key=lambda line: order.index(line.split(":")[0])
+                  if line.split(":")[0] in order else len(order))
+
+
 def format_summary(result: RunResult, *, color: bool = False, max_failures: int = 25,
                    verbose: bool = False) -> str:
     """The terminal summary: header, table of quantities, failing checks, verdict."""
@@ -361,8 +375,12 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
                        for b in lv.values()})
     out.append(f"dsv4-oracle check: {a.spec} on {a.device}"
                + (f" (backends: {', '.join(backends)})" if backends else "")
-               + f"; {result.catalog} catalog, {len(result.outcomes)} cases, "
-               f"replays {result.replays}")
+               + (f"; {plural(len(result.outcomes), 'case')} at your shapes"
+                  if result.catalog == "shape" else
+                  f"; {result.catalog} catalog, {plural(len(result.outcomes), 'case')}")
+               + f", replays {result.replays}")
+    from .protocol import ops_line
+    out.append(ops_line(result.ops))
     from .runner import policy_lines, policy_summary, precision_lines, precision_summary
     p_lines, p_flag = precision_lines(precision_summary(result))
     out += p_lines
@@ -393,6 +411,12 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
         out.append(conv)
     errors = [o for o in result.outcomes if o.error]
     fails = [(o, c) for o in result.outcomes for c in o.failed_checks]
+    wrong = what_is_wrong_lines(result)
+    if wrong:
+        out.append("")
+        out.append(_paint("what is wrong, from the error pattern of the failing checks:", "bold",
+                          color))
+        out += [f"  {line}" for line in wrong]
     if errors or fails:
         out.append("")
         out.append(_paint(f"failing checks ({len(fails) + len(errors)}):", "bold", color))
@@ -421,20 +445,22 @@ def format_summary(result: RunResult, *, color: bool = False, max_failures: int 
     if result.passed:
         w = (f"; worst ratio {fmt_ratio(worst[0])} ({worst[3]}, {worst[1]} [{worst[2]}])"
              if worst else "")
-        out.append(_paint(f"PASS: {n_checks - n_nj} checks passed{nj} on "
-                          f"{len(result.outcomes)} cases{w} in {result.elapsed_s:.1f} s",
+        out.append(_paint(f"PASS: {plural(n_checks - n_nj, 'check')} passed{nj} on "
+                          f"{plural(len(result.outcomes), 'case')}{w} in "
+                          f"{result.elapsed_s:.1f} s",
                           "green", color))
     else:
-        out.append(_paint(f"FAIL: {n_failed} of {n_checks} checks failed in {bad_cases} of "
-                          f"{len(result.outcomes)} cases ({result.elapsed_s:.1f} s){nj}", "red",
+        out.append(_paint(f"FAIL: {n_failed} of {plural(n_checks, 'check')} failed in {bad_cases} "
+                          f"of {plural(len(result.outcomes), 'case')} ({result.elapsed_s:.1f} s)"
+                          f"{nj}", "red",
                           color))
     return "\n".join(out) + p_flag      # the verdict line notes widened bounds
 
 
-def format_case(outcome, adapter=None) -> str:
+def format_case(outcome, adapter=None, ops=None) -> str:
     """One case's checks as a table (failed first, then not judged, then passed): status,
-    level, quantity, check, ratio and detail; the message of
-    :func:`dsv4_oracle.pytest_plugin.assert_conforms`."""
+    level, quantity, check, ratio and detail, after the ops judged (``ops``, default the
+    adapter's); the message of :func:`dsv4_oracle.pytest_plugin.assert_conforms`."""
     c = outcome.case
     who = f"{adapter.spec} on {adapter.device}: " if adapter is not None else ""
     n = len(outcome.checks)
@@ -444,6 +470,8 @@ def format_case(outcome, adapter=None) -> str:
             + (f", {n_nj} not judged" if n_nj else ""))
     out = [head]
     if adapter is not None:
+        from .protocol import ops_line
+        out.append(ops_line(adapter.ops if ops is None else ops))
         from dsv4_oracle.reference.contract_policies import policy_line
         pol = policy_line(adapter.policies)
         if pol:
@@ -499,6 +527,18 @@ def write_junit(result: RunResult, path: str) -> None:
     ET.ElementTree(suites).write(path, encoding="utf-8", xml_declaration=True)
 
 
+def _markdown_precision(lines: list[str]) -> list[str]:
+    """The precision lines of the terminal as Markdown: one bullet each, the per-dtype lines
+    nested under the first, the warning in bold."""
+    out = []
+    for line in lines:
+        if line.startswith("  "):
+            out.append(f"  - {line.strip()}")
+        else:
+            out.append("- " + line.replace("WARNING: ", "**looser than the default**: "))
+    return out
+
+
 def _markdown(d: dict, images: list[str]) -> str:
     from .runner import policy_lines, precision_lines
     s, run = d["summary"], d["run"]
@@ -508,7 +548,8 @@ def _markdown(d: dict, images: list[str]) -> str:
               f"- catalog: {run['catalog']}"
               + (f", cases matching {', '.join(run['case_patterns'])}" if run['case_patterns']
                  else "")
-              + f"; {s['cases']} cases, {s['checks']} checks, replays {run['replays']}",
+              + f"; {plural(s['cases'], 'case')}, {plural(s['checks'], 'check')}, replays "
+                f"{run['replays']}",
               f"- result: {s['checks'] - s['checks_failed'] - s['checks_not_judged']}/"
               f"{s['checks'] - s['checks_not_judged']} judged checks passed, "
               f"{s['checks_not_judged']} not judged; "
@@ -516,9 +557,8 @@ def _markdown(d: dict, images: list[str]) -> str:
               f"- worst ratio: {fmt_ratio(s['worst_ratio'])}"
               + (f" ({s['worst']['quantity']}, case {s['worst']['case']} "
                  f"[{s['worst']['level']}])" if s["worst"] else ""),
-              "- " + (" ".join(line.strip() for line in precision_lines(run["precision"])[0])
-                      .replace("WARNING: ", "**looser than the default**: ")
-                      or "precision assumed: none (no op ran)"),
+              *(_markdown_precision(precision_lines(run["precision"])[0])
+                or ["- precision assumed: none (no op ran)"]),
               "- " + ("".join(policy_lines(run["policies"])) if "policies" in run and
                       run["policies"]["non_default"] else
                       "policies assumed: the contract's defaults (section 5.2)"),

@@ -36,6 +36,7 @@ from .conformance import (FORWARD_OUTPUTS, OpError, forget_measurements, judge, 
                           run_layer, run_ops, tensors_of)
 from .invoke import op_timeout
 from .rejections import REJECTION_CASES, check_rejections
+from .wording import did_you_mean
 
 __all__ = ["CATALOGS", "CaseOutcome", "RunResult", "SelectionError", "select_cases", "quick_ids",
            "check_case", "run_check", "LEVELS", "STRUCTURAL", "precision_summary",
@@ -66,12 +67,14 @@ def _runnable(cases):
     return [c for c in cases if not set(c.categories) & set(_NOT_RUNNABLE)]
 
 
-def select_cases(catalog: str | None = None, patterns=()) -> tuple[list, str]:
+def select_cases(catalog: str | None = None, patterns=(), *, cli: bool = True) -> tuple[list, str]:
     """``(cases, catalog name)``. ``catalog`` ``quick``, ``full`` or ``production`` (the
     DSv4 shapes at production row counts, :mod:`fixtures.production`: in neither of the
     others); default ``quick``, or ``full`` when ``patterns`` are given. Each pattern is a case
-    id or a shell-style glob (``sink-*``) and must match at least one case; the union keeps
-    catalog order."""
+    id or a shell-style glob (``sink-*``) and must match at least one case (else a
+    :class:`SelectionError` with the closest id; its advice names the command's options, or
+    with ``cli=False`` the arguments of :func:`dsv4_oracle.pytest_plugin.cases`); the union
+    keeps catalog order."""
     from dsv4_oracle import fixtures
     if catalog is None:
         catalog = "full" if patterns else "quick"
@@ -93,10 +96,17 @@ def select_cases(catalog: str | None = None, patterns=()) -> tuple[list, str]:
         hits = {c.id for c in cases if fnmatch.fnmatchcase(c.id, p)}
         if not hits:
             elsewhere = [c.id for c in full if fnmatch.fnmatchcase(c.id, p)]
-            hint = ("; it is in the full catalog (use --catalog full)" if elsewhere and
-                    catalog != "full" else
-                    f"; ids look like {', '.join(c.id for c in cases[:3])} (see --list)")
-            raise SelectionError(f"--case {p!r} matches no case of the {catalog} catalog{hint}")
+            slip = did_you_mean(p, [c.id for c in cases])
+            if elsewhere and catalog != "full":
+                hint = ("; it is in the full catalog (use --catalog full)" if cli else
+                        "; it is in the full catalog (cases('full', ...))")
+            elif slip:
+                hint = slip
+            else:
+                hint = (f"; ids look like {', '.join(c.id for c in cases[:3])} "
+                        + ("(see --list)" if cli else "(fixtures.catalog() lists them)"))
+            what = f"--case {p!r}" if cli else f"pattern {p!r}"
+            raise SelectionError(f"{what} matches no case of the {catalog} catalog{hint}")
         chosen |= hits
     return [c for c in cases if c.id in chosen], catalog
 

@@ -31,6 +31,7 @@ import torch
 
 from dsv4_oracle import reference as R
 from dsv4_oracle.compare import CheckResult, compare_numeric, content_hash
+from dsv4_oracle.wording import plural
 from dsv4_oracle.reference.constants import FLT_MIN
 
 __all__ = ["SELFCHECK_CASES", "WORKED_EXAMPLE", "GRADCHECK_CASE", "CaseTensors", "CHECKS",
@@ -407,7 +408,7 @@ def run_selfcheck(verbose: bool = False) -> int:
     elapsed = time.perf_counter() - start
     bad = [r for r in results if r.status != "passed"]
     print(f"dsv4-oracle selfcheck: float64 oracle {R.ORACLE_VERSION}, torch {torch.__version__}, "
-          f"{len(cases)} catalog cases")
+          f"{plural(len(cases), 'catalog case')}")
     if verbose:
         for case in cases:
             print(f"  {case}")

@@ -157,7 +157,7 @@ def test_sign_flipped_adapter_is_caught(capsys, tmp_path):
     assert [f.split(" [op] ")[1].split(":")[0] for f in fails] == ["dsink", "dsink"], fails
     assert fails[0].startswith("  FAIL capacity-rows [op] dsink: ratio ")
     assert "over their bound" in fails[0] and "expected" in fails[0]
-    assert fails[0].endswith("-actual is within the bound everywhere: a flipped sign?")
+    assert fails[0].endswith("a flipped sign: -dsink is within the bound everywhere")
     table = {line.split()[1]: line.split()[0] for line in out.splitlines()
              if line.startswith(("FAIL ", "ok "))}
     assert table.pop("dsink") == "FAIL" and set(table.values()) == {"ok"}

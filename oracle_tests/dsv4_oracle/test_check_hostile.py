@@ -127,7 +127,7 @@ def test_exit_in_an_op_fails_the_op(capsys, tmp_path):
                          "--junit", str(tmp_path / "j.xml"))
     assert rc == 1 and "Traceback" not in out + err
     assert "run: sparse_attention_forward: exited SystemExit: 0 (at check_adapters.py:" in out
-    assert "\nFAIL: 1 of 1 checks failed in 1 of 1 cases" in out
+    assert "\nFAIL: 1 of 1 check failed in 1 of 1 case" in out
     assert 'failures="1"' in (tmp_path / "j.xml").read_text()
 
 
@@ -281,10 +281,10 @@ def test_precision_resolves_per_op():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args, needle", [
     (["--ops", "csa_layer", "--case", "hostile-ids-no-lengths"], "nothing was judged: --ops "
-     "csa_layer on the 1 selected case(s) (hostile-ids-no-lengths) yield no check that can "
+     "csa_layer on the 1 selected case (hostile-ids-no-lengths) yield no check that can "
      "fail"),
     (["--ops", "stable_topk", "--case", "hostile-ids-no-lengths"], "nothing was judged: --ops "
-     "stable_topk on the 1 selected case(s)"),
+     "stable_topk on the 1 selected case"),
     (["--impl", ""], "--impl must name an adapter"),
     (["--impl", FIX + "RaisingNameAdapter"], "reading its attribute 'name': RuntimeError: "
      "adapter attribute failed"),

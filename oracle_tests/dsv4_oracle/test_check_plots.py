@@ -257,3 +257,34 @@ def test_report_without_matplotlib_skips_the_plots_in_one_line(monkeypatch, tmp_
     assert skipped == ["report: PNG plots skipped: matplotlib is not installed "
                        "(pip install 'dsv4-oracle[report]')"]
     assert "Traceback" not in out + err
+
+
+def test_a_failing_run_shows_a_typical_failure_not_the_most_extreme_ratio():
+    """An exactly-0 value missed by 1e-3 has a ratio of 1e35 against its bound near 0: the
+    figure shows the median failing check of the quantity with a map that fails most."""
+    outlier = CheckResult("dsink", "numeric", False, 6.7e39, 4, "expected exactly 0",
+                          {"quantity": "dsink", "level": "op", "expected_zero": True})
+    cases = [outcome(f"c{i}", [num("out", r), num("lse", 0.1)], maps={"op": level_maps(out=r)})
+             for i, r in enumerate((9.0, 2.0, 5.0))]
+    res = result(outcome("zero", [outlier]), *cases,
+                 outcome("lone", [num("dsink", 50.0), num("out", 0.2)]))
+    assert report_dict(res)["summary"]["worst"]["quantity"] == "dsink"   # the summary's worst
+    v = plots.worst_view(res)
+    assert (v.case, v.quantity, v.ratio, v.typical_of) == ("c2", "out", 5.0, 3)
+    assert plots.typical_failure(result(outcome("zero", [outlier]))) is None
+    assert plots.worst_view(result(outcome("zero", [outlier]))).quantity == "dsink"
+
+
+def test_report_md_gives_each_precision_line_its_own_bullet(tmp_path):
+    from dsv4_oracle.report import write_report
+    p32 = {"acc": "torch.float32", "io": "torch.float32", "stats": "torch.float32"}
+    p16 = {"acc": "torch.float32", "io": "torch.bfloat16", "stats": "torch.float32"}
+    a, b = outcome("a", [num("out", 0.5)]), outcome("b", [num("out", 0.5)])
+    b.case = SimpleNamespace(id="b", categories=("synthetic",), dtype="float32",
+                             to_dict=lambda: {"id": "b"})
+    a.precision, b.precision = {"sparse_attention_forward": p16}, {"sparse_attention_forward": p32}
+    write_report(result(a, b), str(tmp_path))
+    md = (tmp_path / "report.md").read_text().splitlines()
+    i = md.index("- precision assumed (the default):")
+    assert md[i + 1:i + 3] == ["  - bfloat16 inputs: acc float32, io bfloat16, stats float32",
+                               "  - float32 inputs: acc float32, io float32, stats float32"]

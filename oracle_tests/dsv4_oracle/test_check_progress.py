@@ -70,3 +70,14 @@ def test_lines_are_off_when_the_bar_draws():
     bar("done", SimpleNamespace(id="a"), SimpleNamespace(passed=True, error=None, elapsed_s=1.0))
     bar.close()
     assert "PASS" not in s.getvalue()
+
+
+def test_the_bar_keeps_its_width_as_cases_finish():
+    tty = FakeTTY()
+    bar = ProgressBar(12, enabled=True, stream=tty, label="check x")
+    widths = set()
+    for i, cid in enumerate(["a", "sink-mixed", "public-cp-worked-example", "b" * 50] * 3):
+        bar("start", SimpleNamespace(id=cid), None)
+        widths.add(len(bar.line(cid)))
+        bar("done", SimpleNamespace(id=cid), SimpleNamespace(passed=True))
+    assert len(widths) == 1, widths
