@@ -486,10 +486,10 @@ def build_adapter(mutant: Mutant | None):
             self._api = api
             self.name = f"mutant:{tag}"
 
-        def csa_layer(self, *args, **kwargs):
+        def csa_layer(self, q, kv, sink, layout, *, compressor=None, **kwargs):
             kwargs.setdefault("backend", self.request)
             kwargs.setdefault("deterministic", self.deterministic)
-            return layer.csa_layer(*args, **kwargs)
+            return layer.csa_layer(q, kv, sink, layout, compressor=compressor, **kwargs)
 
     impl = _MutantImpl()
     return Adapter(impl, name=impl.name, device="cpu", spec=impl.name)

@@ -77,7 +77,8 @@ F32 = torch.float32
 INF = math.inf
 CUDNN_GRAD_FLOOR = GRAD_FLOOR          # the indexer backward's CLIP_LOG_MIN = -100
 HALF = (torch.bfloat16, torch.float16)
-NO_KERNEL_OPS = ("build_csa_indices", "q_rms_norm")
+NO_KERNEL_OPS = ("build_csa_indices", "q_rms_norm", "compressor_forward", "compressor_backward",
+                 "indexer_compressor_forward", "indexer_compressor_backward")
 
 
 class CudnnBackendUnavailable(RuntimeError):
