@@ -731,6 +731,32 @@ def _compressor_pool(a, slots: _Slots, g0: int, g1: int):
     return v, alpha, (alpha * v).sum(dim=1), valid
 
 
+def compressor_stages(ctil, norm_weight, eps, cos, sin, rotate, like):
+    """Section 15 after the pooling, for float32 pooled rows ``ctil [G, d]``: stored once in
+    the dtype of ``like``, RMSNorm (stored), RoPE (stored), the Hadamard rotation (``rotate``);
+    float32 result, to be stored by the caller."""
+    ctil = _store(ctil, like)
+    n = _store(norm_weight * ctil * torch.rsqrt(ctil.square().mean(dim=-1, keepdim=True) + eps),
+               like)
+    y = _store(_rope32(n, cos, sin), like)
+    if rotate:
+        y = _hadamard32(y)
+    return y
+
+
+def compressor_stages_backward(g, ctil, norm_weight, eps, cos, sin, rotate, like):
+    """The backward of :func:`compressor_stages` for the upstream ``g [G, d]`` (float32) and the
+    stored pooled rows ``ctil``: ``(dctil [G, d], dnorm_weight terms summed over the G rows)``,
+    each stage's result stored once in the dtype of ``like``."""
+    if rotate:
+        g = _store(_hadamard32(g), like)
+    dn = _store(_rope32(g, cos, sin, inverse=True), like)
+    s = torch.rsqrt(ctil.square().mean(dim=-1, keepdim=True) + eps)
+    mean = (norm_weight * dn * ctil).mean(dim=-1, keepdim=True)
+    dctil = _store(s * norm_weight * dn - ctil * s ** 3 * mean, like)
+    return dctil, (dn * ctil * s).sum(dim=0)
+
+
 @_op
 def compressor_forward(kv, score, ape, norm_weight, layout, ratio, *, rope, overlap=None,
                        rotate=False, eps=COMPRESSOR_EPS, chunk_rows=None,
@@ -748,12 +774,8 @@ def compressor_forward(kv, score, ape, norm_weight, layout, ratio, *, rope, over
     for g0 in range(0, C, step):
         g1 = min(g0 + step, C)
         _, _, ctil, _ = _compressor_pool(a, slots, g0, g1)
-        ctil = _store(ctil, a.kv)
-        n = _store(w * ctil * torch.rsqrt(ctil.square().mean(dim=-1, keepdim=True) + a.eps), a.kv)
         cos, sin = _rope_cos_sin(a.rope, slots.position[g0:g1])
-        y = _store(_rope32(n, cos, sin), a.kv)
-        if a.rotate:
-            y = _hadamard32(y)
+        y = compressor_stages(ctil, w, a.eps, cos, sin, a.rotate, a.kv)
         out[g0:g1] = y.to(a.kv.dtype)
     return out
 
@@ -782,15 +804,10 @@ def compressor_backward(kv, score, ape, norm_weight, layout, ratio, dout, *, rop
     for g0 in range(0, C, step):
         g1 = min(g0 + step, C)
         v, alpha, ctil32, valid = _compressor_pool(a, slots, g0, g1)
-        ctil = _store(ctil32, a.kv)
-        g = dout[g0:g1].to(F32)
-        if a.rotate:
-            g = _store(_hadamard32(g), a.kv)
         cos, sin = _rope_cos_sin(a.rope, slots.position[g0:g1])
-        dn = _store(_rope32(g, cos, sin, inverse=True), a.kv)
-        s = torch.rsqrt(ctil.square().mean(dim=-1, keepdim=True) + a.eps)
-        mean = (w * dn * ctil).mean(dim=-1, keepdim=True)
-        dctil = _store(s * w * dn - ctil * s ** 3 * mean, a.kv).unsqueeze(1)
+        dctil, dw = compressor_stages_backward(dout[g0:g1].to(F32), _store(ctil32, a.kv), w,
+                                               a.eps, cos, sin, a.rotate, a.kv)
+        dctil = dctil.unsqueeze(1)
         dv = alpha * dctil
         dz = (alpha * (v - ctil32.unsqueeze(1)) * dctil).masked_fill(~valid.unsqueeze(-1), 0.0)
         rows = slots.element[g0:g1][valid]
@@ -798,7 +815,7 @@ def compressor_backward(kv, score, ape, norm_weight, layout, ratio, dout, *, rop
         dscore.index_copy_(0, rows, dz[valid].to(a.kv.dtype))
         fixed_order_scatter_add(dape, slots.ape_row[g0:g1].reshape(-1), dz.reshape(-1, d),
                                 deterministic=a.deterministic)
-        dweight += (dn * ctil * s).sum(dim=0)
+        dweight += dw
     return (dkv.view(T, c * d), dscore.view(T, c * d), dape.view(a.ratio, c * d), dweight)
 
 

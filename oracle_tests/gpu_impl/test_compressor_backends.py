@@ -1,0 +1,221 @@
+"""The compressor's implementations (contract sections 13-15): the portable torch backend on the
+CPU, the routing and layouts of the GPU paths (testable without a GPU), and, on a GPU, the
+Triton pooling (SM90) and cuDNN's fused compressor (SM100) against the oracle within the error
+model, with bitwise replays and no input mutation."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from dsv4_oracle import fixtures
+from dsv4_oracle import reference as R
+from dsv4_oracle.adapters import default_precision
+from dsv4_oracle.gpu_impl import api, cudnn_backend, torch_backend
+from dsv4_oracle.reference.error_model import compressor_backward_bound, compressor_forward_bound
+from oracle_tests import content_hash, error_ratio
+
+CASES = ("compressor-edges", "compressor-cp2-saturated", "compressor-hca-r128")
+
+
+def _inputs(case, prefix, device="cpu"):
+    x = case.materialize(device)
+    return [x[f"{prefix}_{k}"] for k in ("kv", "score", "ape", "norm")]
+
+
+def _judge(case, prefix, fwd, bwd, dout):
+    """Error/bound ratios of a backend's forward and backward against the oracle."""
+    rotate = prefix == "idx"
+    args = [t.cpu() for t in _inputs(case, prefix)]
+    lay, p = case.layout(), default_precision(case.torch_dtype)
+    want = R.compressor_forward(*args, lay, case.ratio, rope=case.rope(), rotate=rotate)
+    ratios = [error_ratio(fwd.cpu(), want, compressor_forward_bound(
+        *args, lay, case.ratio, want, rope=case.rope(), precision=p, rotate=rotate))]
+    grads = R.compressor_backward(*args, lay, case.ratio, dout.cpu(), rope=case.rope(),
+                                  rotate=rotate)
+    bounds = compressor_backward_bound(*args, lay, case.ratio, dout.cpu(), grads,
+                                       rope=case.rope(), precision=p, rotate=rotate)
+    ratios += [error_ratio(g.cpu(), e, b) for g, e, b in zip(bwd, grads, bounds)]
+    return ratios
+
+
+def _run(impl, case, prefix, device, **kw):
+    args = _inputs(case, prefix, device)
+    op = "indexer_compressor" if prefix == "idx" else "compressor"
+    out = getattr(impl, f"{op}_forward")(*args, case.layout(), case.ratio, rope=case.rope(), **kw)
+    out = out[0] if isinstance(out, tuple) else out
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.dtype)
+    grads = getattr(impl, f"{op}_backward")(*args, case.layout(), case.ratio, dout.to(device),
+                                            rope=case.rope(), **kw)
+    return args, out, dout, tuple(grads)[:4]
+
+
+# ---------------------------------------------------------------------------------------------
+# the portable torch backend (CPU)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("prefix", ["cmp", "idx"])
+def test_torch_backend_is_within_the_bounds_and_replays_bitwise(prefix):
+    case = fixtures.get("compressor-cp2-saturated")
+    args, out, dout, grads = _run(torch_backend, case, prefix, "cpu")
+    assert max(_judge(case, prefix, out, grads, dout)) <= 1
+    _, out2, _, grads2 = _run(torch_backend, case, prefix, "cpu")
+    assert content_hash(out) == content_hash(out2)
+    assert [content_hash(g) for g in grads] == [content_hash(g) for g in grads2]
+
+
+def test_torch_backend_never_writes_its_inputs_and_ignores_the_grad_mode():
+    case = fixtures.get("compressor-edges")
+    args = _inputs(case, "idx")
+    before = [content_hash(t) for t in args]
+    outs = []
+    for mode in (torch.no_grad, torch.enable_grad, torch.inference_mode):
+        with mode():
+            outs.append(torch_backend.indexer_compressor_forward(*args, case.layout(), 4,
+                                                                 rope=case.rope()))
+    assert len({content_hash(o) for o in outs}) == 1
+    assert [content_hash(t) for t in args] == before
+
+
+def test_torch_backend_rejects_a_non_finite_element_it_reads():
+    case = fixtures.get("compressor-edges")
+    kv, score, ape, w = _inputs(case, "cmp")
+    score = score.clone()
+    score[8, 20] = float("nan")                      # row 8: group 0 of the document at row 7
+    with pytest.raises(ValueError, match="score"):
+        torch_backend.compressor_forward(kv, score, ape, w, case.layout(), 4, rope=case.rope())
+    tail = kv.clone()
+    tail[21] = float("nan")                          # a tail row: never read
+    torch_backend.compressor_forward(tail, score.nan_to_num(), ape, w, case.layout(), 4,
+                                     rope=case.rope())
+
+
+@pytest.mark.parametrize("change,name", [
+    (dict(kv=torch.zeros(5, 8)), "kv"), (dict(score=torch.zeros(32, 32, dtype=torch.float64)), "score"),
+    (dict(ape=torch.zeros(3, 32)), "ape"), (dict(norm_weight=torch.ones(4)), "norm_weight"),
+    (dict(rope=R.RopeSpec(dim=20)), "rope"), (dict(rope="yarn"), "rope"), (dict(ratio=0), "ratio"),
+    (dict(rotate=True, kv=torch.zeros(32, 24), score=torch.zeros(32, 24),
+          ape=torch.zeros(4, 24), norm_weight=torch.ones(12)), "rotate")])
+def test_bad_arguments_are_named_before_any_work(change, name):
+    case = fixtures.get("compressor-edges")
+    kv, score, ape, w = (t.float() for t in _inputs(case, "cmp"))
+    a = dict(kv=kv, score=score, ape=ape, norm_weight=w, layout=case.layout(), ratio=4,
+             rope=case.rope())
+    a.update(change)
+    pos = [a.pop(k) for k in ("kv", "score", "ape", "norm_weight", "layout", "ratio")]
+    with pytest.raises((TypeError, ValueError), match=name):
+        api.compressor_forward(*pos, backend="torch", **a)
+
+
+# ---------------------------------------------------------------------------------------------
+# the GPU paths' CPU-side logic: routing and layouts
+# ---------------------------------------------------------------------------------------------
+def _fake_cudnn(deterministic: bool):
+    def bwd(kv, score, ape, cu, cuc, grad_out, ratio=4, head_dim=None, coff=2, stream=None,
+            **kw):
+        return None
+    if deterministic:
+        def bwd(kv, score, ape, cu, cuc, grad_out, ratio=4, head_dim=None, coff=2,  # noqa: F811
+                stream=None, deterministic=False):
+            return None
+    return types.SimpleNamespace(csa_compressor_backward_wrapper=bwd,
+                                 csa_compressor_forward_wrapper=lambda *a, **k: None)
+
+
+def test_routes_follow_the_architecture_dtype_ratio_and_determinism():
+    kv = torch.zeros(16, 1024, dtype=torch.bfloat16)
+    route = cudnn_backend.compressor_route
+    assert route(kv, 4, None, True, False, (10, 0), _fake_cudnn(False))[0] == "cudnn"
+    assert route(kv, 4, None, True, True, (10, 0), _fake_cudnn(True))[0] == "cudnn"
+    r, why = route(kv, 4, None, True, True, (10, 0), _fake_cudnn(False))
+    assert r != "cudnn" and "atomics" in why                      # d_ape atomics refused
+    assert route(kv, 4, None, False, True, (10, 0), _fake_cudnn(False))[0] == "cudnn"
+    r, why = route(kv, 4, None, True, False, (9, 0), _fake_cudnn(True))
+    assert r != "cudnn" and "SM100" in why
+    assert route(kv.float(), 4, None, True, False, (10, 0), _fake_cudnn(True))[0] == "torch"
+    r, why = route(torch.zeros(16, 3 * 64, dtype=torch.bfloat16), 3, False, True, False, (10, 0),
+                   _fake_cudnn(True))
+    assert r == "torch" and "S = 3" in why                        # not a power of two
+    assert cudnn_backend.cudnn_compressor_deterministic(_fake_cudnn(True))
+    assert not cudnn_backend.cudnn_compressor_deterministic(types.SimpleNamespace())
+
+
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (128, False), (2, True), (4, False)])
+def test_slot_tables_are_the_contracts(ratio, overlap):
+    """The slot table the kernels read and the ape row of each slot are section 15's."""
+    lay = fixtures.get("compressor-edges").layout()
+    grp = R.compressor_groups(lay, ratio, overlap)
+    c = 2 if overlap else 1
+    slots = torch_backend._compressor_slots(lay, ratio, c, "cpu")
+    assert torch.equal(slots.element, grp.element)
+    assert torch.equal(slots.position, grp.position)
+    assert torch.equal(cudnn_backend.compressor_slot_ape(ratio, c, "cpu"), grp.ape_row)
+    valid = grp.element >= 0
+    assert torch.equal(slots.ape_row[valid], grp.ape_row.expand_as(valid)[valid])
+
+
+def test_the_cudnn_backend_refuses_cpu_tensors_naming_kv():
+    case = fixtures.get("compressor-edges")
+    args = _inputs(case, "cmp")
+    with pytest.raises(cudnn_backend.CudnnBackendUnavailable, match="kv"):
+        cudnn_backend._compressor_setup(
+            cudnn_backend.validate_compressor(*args, case.layout(), 4, case.rope(), None, False,
+                                              1e-6, True), case.layout(), "compressor_forward")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the Triton pooling on SM90, cuDNN's fused compressor on SM100
+# ---------------------------------------------------------------------------------------------
+def _gpu_case(cid):
+    c = fixtures.get(cid)
+    return c
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("cid", CASES)
+@pytest.mark.parametrize("prefix", ["cmp", "idx"])
+def test_sm90_triton_compressor_within_bounds_bitwise_replays_no_mutation(cid, prefix):
+    case = _gpu_case(cid)
+    if prefix == "idx" and not case.has_indexer:
+        pytest.skip("HCA layers have no indexer compressor")
+    args = _inputs(case, prefix, "cuda")
+    kv = args[0]
+    assert cudnn_backend.compressor_route(kv, case.ratio, None, True, True)[0] == "triton"
+    before = [content_hash(t) for t in args]
+    _, out, dout, grads = _run(cudnn_backend, case, prefix, "cuda")
+    assert max(_judge(case, prefix, out, grads, dout)) <= 1
+    for _ in range(3):
+        _, out2, _, grads2 = _run(cudnn_backend, case, prefix, "cuda")
+        assert content_hash(out2) == content_hash(out)
+        assert [content_hash(g) for g in grads2] == [content_hash(g) for g in grads]
+    assert [content_hash(t) for t in args] == before
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_sm90_flash_shapes_pass_the_check():
+    """The DSv4-Flash compressor cases through dsv4-oracle's own runner (gpu_impl:cudnn)."""
+    from dsv4_oracle.adapters import load_adapter
+    from dsv4_oracle.runner import check_case
+    adapter = load_adapter("gpu_impl:cudnn")
+    for cid in ("dsv4-flash-compressor-T32", "dsv4-flash-hca-compressor-T256"):
+        out = check_case(adapter, fixtures.get(cid), replays=3)
+        assert out.passed, [c.detail for c in out.failed_checks][:3]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm100
+@pytest.mark.cudnn
+@pytest.mark.parametrize("cid", CASES)
+def test_sm100_cudnn_compressor_deterministic_dape(cid):
+    """cuDNN's fused compressor (SM100): within the bounds; in deterministic mode d_ape
+    replays bitwise (the backend passes deterministic=True or refuses cuDNN)."""
+    case = _gpu_case(cid)
+    args = _inputs(case, "cmp", "cuda")
+    route, why = cudnn_backend.compressor_route(args[0], case.ratio, None, True, True)
+    _, out, dout, grads = _run(cudnn_backend, case, "cmp", "cuda")
+    assert max(_judge(case, "cmp", out, grads, dout)) <= 1
+    for _ in range(3):
+        _, _, _, grads2 = _run(cudnn_backend, case, "cmp", "cuda")
+        assert content_hash(grads2[2]) == content_hash(grads[2]), why
