@@ -17,39 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dsv4_oracle import reference as R                            # noqa: E402
 from dsv4_oracle.gpu_impl import torch_backend as TB               # noqa: E402
+from bench_torch_backend import timed                              # noqa: E402
 
 CONFIGS = {"csa_main": (4, 512, False), "csa_indexer": (4, 128, True), "hca": (128, 512, False)}
 ROPE = R.RopeSpec(64, 160000.0, 16.0, 65536)          # the DSv4-Flash checkpoint's constants
-
-
-def timed(fn, device, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def inputs(T, ratio, d, device, seed=0):
