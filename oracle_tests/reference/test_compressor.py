@@ -13,6 +13,7 @@ from dsv4_oracle import reference as R
 from dsv4_oracle.reference.error_model import (ORACLE_PRECISION, compressor_backward_bound,
                                                compressor_forward_bound)
 from dsv4_oracle.reference.hadamard import hadamard_matrix
+from dsv4_oracle.selfcheck import compressor_worked_example
 from oracle_tests import content_hash
 
 F64 = torch.float64
@@ -49,18 +50,8 @@ def bwd(x, dout, ratio=2, overlap=True, rotate=False, layout=LAYOUT, rope=ROPE, 
 # the worked example of section 15
 # ---------------------------------------------------------------------------------------------
 def worked_example():
-    lay = R.PackedLayout([0, 5, 7], [0, 7, 9], 10)
-    kv = torch.full((10, 4), NAN, dtype=F64)           # every unread element is NaN
-    for row, vals in {0: [8, 0, 4, 0], 1: [0, 8, 0, 4], 2: [8, 8, 0, 8], 3: [-8, 8, 8, 0]}.items():
-        kv[row] = torch.tensor(vals, dtype=F64)
-    for row, vals in {4: [8, -8], 5: [8, 8], 7: [4, 4], 8: [-4, 4]}.items():
-        kv[row, 2:] = torch.tensor(vals, dtype=F64)
-    score = torch.where(torch.isnan(kv), kv, torch.zeros_like(kv))
-    ape = torch.zeros(2, 4, dtype=F64)
-    ape[0] = math.log(3)
-    theta = torch.arange(8, dtype=F64) * math.pi / 4
-    table = torch.stack([torch.cos(theta), torch.sin(theta)], -1).unsqueeze(1)   # [8, 1, 2]
-    return dict(kv=kv, score=score, ape=ape, norm_weight=torch.ones(2, dtype=F64)), lay, table
+    x, lay, table, _ = compressor_worked_example()
+    return x, lay, table
 
 
 def test_the_worked_example():
