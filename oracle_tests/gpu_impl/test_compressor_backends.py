@@ -219,3 +219,59 @@ def test_sm100_cudnn_compressor_deterministic_dape(cid):
     for _ in range(3):
         _, _, _, grads2 = _run(cudnn_backend, case, "cmp", "cuda")
         assert content_hash(grads2[2]) == content_hash(grads[2]), why
+
+
+# ---------------------------------------------------------------------------------------------
+# the packed layer from raw tokens
+# ---------------------------------------------------------------------------------------------
+def _raw_layer(case, **over):
+    from dsv4_oracle.gpu_impl.layer import csa_layer
+    x = case.materialize()
+    leaf = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in x.items()}
+    kw = dict(window=case.window, ratio=case.ratio, coeff=case.coeff, topk=case.topk,
+              q_idx=leaf["q_idx"], weights=leaf["weights"], rope=case.rope(),
+              compressor=R.CompressorInputs(*(leaf[f"cmp_{k}"] for k in ("kv", "score", "ape",
+                                                                          "norm"))),
+              index_compressor=R.CompressorInputs(*(leaf[f"idx_{k}"] for k in (
+                  "kv", "score", "ape", "norm"))), backend="torch")
+    kw.update(over)
+    return leaf, csa_layer(leaf["q"], leaf["kv_raw"], leaf["sink"], case.layout(), **kw)
+
+
+def test_the_raw_layer_routes_gradients_as_the_contract_says():
+    """out reaches the main compressor's inputs and not the indexer's; the loss reaches the
+    indexer compressor's inputs and not the main's (section 8: the teacher is detached)."""
+    case = fixtures.get("compressor-cp2-saturated")
+    leaf, res = _raw_layer(case)
+    assert res.kv_cmp.shape == (case.C, case.head_dim) and res.k_idx.shape == (case.C, 8)
+    cmp = [leaf[f"cmp_{k}"] for k in ("kv", "score", "ape", "norm")]
+    idx = [leaf[f"idx_{k}"] for k in ("kv", "score", "ape", "norm")]
+    g_out = torch.autograd.grad(res.out.float().sum(), cmp + idx, allow_unused=True,
+                                retain_graph=True)
+    assert all(g is not None and bool(g.abs().sum() > 0) for g in g_out[:4])
+    assert all(g is None or not bool(g.any()) for g in g_out[4:])
+    g_loss = torch.autograd.grad(res.loss, cmp + idx, allow_unused=True)
+    assert all(g is None or not bool(g.any()) for g in g_loss[:4])
+    assert all(g is not None and bool(g.abs().sum() > 0) for g in g_loss[4:])
+
+
+def test_the_raw_layer_matches_the_layer_on_its_own_compressed_keys():
+    case = fixtures.get("compressor-edges")
+    leaf, res = _raw_layer(case)
+    from dsv4_oracle.gpu_impl.layer import csa_layer
+    again = csa_layer(leaf["q"], leaf["kv_raw"], leaf["sink"], case.layout(), window=case.window,
+                      ratio=case.ratio, coeff=case.coeff, topk=case.topk, q_idx=leaf["q_idx"],
+                      weights=leaf["weights"], kv_cmp=res.kv_cmp.detach(),
+                      k_idx=res.k_idx.detach(), backend="torch")
+    assert torch.equal(res.out, again.out) and torch.equal(res.ids, again.ids)
+    assert torch.equal(res.loss, again.loss)
+
+
+@pytest.mark.parametrize("over,err,name", [
+    (dict(kv_cmp=torch.zeros(1, 16)), ValueError, "kv_cmp"),
+    (dict(rope=None), ValueError, "rope"),
+    (dict(compressor=(1, 2, 3, 4)), TypeError, "compressor"),
+    (dict(ratio=0, window=4), ValueError, "ratio")])
+def test_the_raw_layer_rejects_bad_arguments_by_name(over, err, name):
+    with pytest.raises(err, match=name):
+        _raw_layer(fixtures.get("compressor-edges"), **over)
