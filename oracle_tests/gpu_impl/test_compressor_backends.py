@@ -4,7 +4,13 @@ Triton pooling (SM90) and cuDNN's fused compressor (SM100) against the oracle wi
 model, with bitwise replays and no input mutation."""
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +23,7 @@ from dsv4_oracle.reference.error_model import compressor_backward_bound, compres
 from oracle_tests import content_hash, error_ratio
 
 CASES = ("compressor-edges", "compressor-cp2-saturated", "compressor-hca-r128")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _inputs(case, prefix, device="cpu"):
@@ -275,3 +282,76 @@ def test_the_raw_layer_matches_the_layer_on_its_own_compressed_keys():
 def test_the_raw_layer_rejects_bad_arguments_by_name(over, err, name):
     with pytest.raises(err, match=name):
         _raw_layer(fixtures.get("compressor-edges"), **over)
+
+
+# ---------------------------------------------------------------------------------------------
+# the Triton pooling kernels under the Triton interpreter (CPU, TRITON_INTERPRET=1)
+# ---------------------------------------------------------------------------------------------
+_INTERPRETED = r"""
+import json, sys, torch
+from dsv4_oracle import fixtures, reference as R
+from dsv4_oracle.adapters import default_precision
+from dsv4_oracle.gpu_impl import cudnn_backend as CB, torch_backend as TB
+from dsv4_oracle.gpu_impl import kernels_triton_compressor as K
+from dsv4_oracle.reference.error_model import compressor_backward_bound, compressor_forward_bound
+case_id, prefix = json.loads(sys.argv[1])
+case = fixtures.get(case_id)
+x = case.materialize()
+lay, rope, rotate = case.layout(), case.rope(), prefix == "idx"
+kv, score, ape, w = (x[f"{prefix}_{k}"] for k in ("kv", "score", "ape", "norm"))
+c = 2 if case.overlap else 1
+T, d = kv.shape[0], kv.shape[1] // c
+slots = TB._compressor_slots(lay, case.ratio, c, "cpu")
+sa = CB.compressor_slot_ape(case.ratio, c, "cpu")
+views = (kv.reshape(T * c, d).contiguous(), score.reshape(T * c, d).contiguous(),
+         ape.float().reshape(-1, d).contiguous())
+cos, sin = TB._rope_cos_sin(rope, slots.position)
+
+def run():
+    ctil = K.pool_forward(*views, slots.element, sa)
+    out = TB.compressor_stages(ctil, w, 1e-6, cos, sin, rotate, kv).to(kv.dtype)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(kv.dtype)
+    dctil, dw = TB.compressor_stages_backward(dout.float(), TB._store(ctil, kv), w, 1e-6, cos,
+                                              sin, rotate, kv)
+    dkv, dsc, dslots = K.pool_backward(*views, slots.element, sa, dctil.to(kv.dtype))
+    dape = torch.zeros(case.ratio * c, d).index_copy_(0, sa, dslots)
+    return out, dout, (dkv.view(T, c * d), dsc.view(T, c * d), dape.view(case.ratio, c * d), dw)
+
+before = [t.clone() for t in (kv, score, ape, w)]
+out, dout, grads = run()
+out2, _, grads2 = run()
+p = default_precision(kv.dtype)
+o = R.compressor_forward(kv, score, ape, w, lay, case.ratio, rope=rope, rotate=rotate)
+ratios = {"kv_cmp": float(((out.double() - o).abs() / compressor_forward_bound(
+    kv, score, ape, w, lay, case.ratio, o, rope=rope, precision=p, rotate=rotate)).max())}
+g = R.compressor_backward(kv, score, ape, w, lay, case.ratio, dout, rope=rope, rotate=rotate)
+b = compressor_backward_bound(kv, score, ape, w, lay, case.ratio, dout, g, rope=rope, precision=p,
+                              rotate=rotate)
+for n, a_, e, bb in zip(("dkv", "dscore", "dape", "dnorm_weight"), grads, g, b):
+    err = (a_.double() - e).abs()
+    ratios[n] = float(torch.where(err == 0, torch.zeros_like(err), err / bb).max())
+same = all(torch.equal(a_, b_) for a_, b_ in zip((out,) + grads, (out2,) + grads2))
+untouched = all(torch.equal(a_, b_) for a_, b_ in zip(before, (kv, score, ape, w)))
+print("RESULT " + json.dumps({"ratios": ratios, "replay": same, "untouched": untouched}))
+"""
+
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed (the interpreter lane needs it)")
+
+
+@needs_triton
+@pytest.mark.parametrize("cid,prefix", [("compressor-edges", "cmp"), ("compressor-edges", "idx"),
+                                        ("compressor-hca-r128", "cmp")])
+def test_interpreted_triton_pooling_against_the_oracle(cid, prefix):
+    """The Triton pooling kernels (run by the Triton interpreter on the CPU) with the torch
+    stages: within the error model, the same bits on a second run, inputs untouched."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", _INTERPRETED, json.dumps([cid, prefix])], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, f"interpreted run failed:\n{r.stdout}\n{r.stderr[-3000:]}"
+    res = json.loads(lines[-1][len("RESULT "):])
+    assert res["replay"] and res["untouched"], res
+    assert all(v <= 1 for v in res["ratios"].values()), res["ratios"]
