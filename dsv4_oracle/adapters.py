@@ -307,6 +307,23 @@ class GpuImplAdapter:
             kw["chunk_rows"] = self.chunk_rows
         return kw
 
+    def compressor_forward(self, kv, score, ape, norm_weight, layout, ratio, *, rope):
+        return self._api.compressor_forward(kv, score, ape, norm_weight, layout, ratio, rope=rope,
+                                            **self._kw())
+
+    def indexer_compressor_forward(self, kv, score, ape, norm_weight, layout, ratio, *, rope):
+        return self._api.indexer_compressor_forward(kv, score, ape, norm_weight, layout, ratio,
+                                                    rope=rope, **self._kw())
+
+    def compressor_backward(self, kv, score, ape, norm_weight, layout, ratio, dout, *, rope):
+        return self._api.compressor_backward(kv, score, ape, norm_weight, layout, ratio, dout,
+                                             rope=rope, **self._kw())
+
+    def indexer_compressor_backward(self, kv, score, ape, norm_weight, layout, ratio, dout, *,
+                                    rope):
+        return self._api.indexer_compressor_backward(kv, score, ape, norm_weight, layout, ratio,
+                                                     dout, rope=rope, **self._kw())
+
     def indexer_scores(self, q_idx, k_idx, weights, layout, ratio):
         return self._api.indexer_scores(q_idx, k_idx, weights, layout, ratio, **self._kw())
 
@@ -338,11 +355,11 @@ class GpuImplAdapter:
                                                   predict, coeff=coeff, num_real=num_real,
                                                   **self._kw())
 
-    def csa_layer(self, *args, **kwargs):
+    def csa_layer(self, q, kv, sink, layout, *, compressor=None, **kwargs):
         from dsv4_oracle.gpu_impl.layer import csa_layer
         kwargs.setdefault("backend", self.request)
         kwargs.setdefault("deterministic", self.deterministic)
-        return csa_layer(*args, **kwargs)
+        return csa_layer(q, kv, sink, layout, compressor=compressor, **kwargs)
 
 
 def checked_ops(adapter: "Adapter", ops) -> tuple[str, ...] | None:

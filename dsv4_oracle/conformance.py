@@ -64,6 +64,8 @@ F64 = torch.float64
 
 # quantity -> (contract section, what it is); the report's rows, in pipeline order
 QUANTITIES = {
+    "kv_cmp": ("15", "compressed keys [C, D] from the compressor"),
+    "k_idx": ("14, 15", "indexer keys [C, D_I] from the indexer's compressor"),
     "scores": ("7", "indexer scores [T, C]"),
     "cmp_ids": ("4", "Top-K compressed ids: sets, lengths, order policy"),
     "ids": ("5", "CSA key-id rows"),
@@ -74,6 +76,10 @@ QUANTITIES = {
     "dq": ("6", "gradient wrt q"),
     "dkv": ("6", "gradient wrt the key buffer"),
     "dsink": ("6", "gradient wrt the sink"),
+    "d_cmp_kv": ("15", "gradient wrt the compressor's kv projection"),
+    "d_cmp_score": ("15", "gradient wrt the compressor's gate scores"),
+    "d_cmp_ape": ("15", "gradient wrt the compressor's ape"),
+    "d_cmp_norm": ("15", "gradient wrt the compressor's RMSNorm weight"),
     "loss": ("8", "indexer KL loss"),
     "kl": ("8", "per-row KL"),
     "target": ("8", "teacher distribution"),
@@ -81,6 +87,10 @@ QUANTITIES = {
     "dq_idx": ("8", "gradient wrt q_idx"),
     "dw": ("8", "gradient wrt the indexer weights"),
     "dk_idx": ("8", "gradient wrt k_idx"),
+    "d_idx_kv": ("15", "gradient wrt the indexer compressor's kv projection"),
+    "d_idx_score": ("15", "gradient wrt the indexer compressor's gate scores"),
+    "d_idx_ape": ("15", "gradient wrt the indexer compressor's ape"),
+    "d_idx_norm": ("15", "gradient wrt the indexer compressor's RMSNorm weight"),
     "loss_detached": ("8", "the indexer loss alone backpropagates exact zeros to q, kv, sink"),
     "convention": ("6", "the backward's Delta convention: as declared (measured by a probe)"),
     "rejects": ("4, 6, 8", "inputs the contract says an op must refuse raise the named error"),
@@ -92,8 +102,9 @@ QUANTITIES = {
 
 # the outputs of the forward pipeline (what section 11's grad-mode parity compares)
 FORWARD_OUTPUTS = ("scores", "cmp_ids", "cmp_lengths", "ids", "lengths", "out", "lse", "loss",
-                   "kl", "target", "predict")
-BACKWARD_OPS = ("sparse_attention_backward", "sparse_indexer_loss_grad")
+                   "kl", "target", "predict", "kv_cmp", "k_idx")
+BACKWARD_OPS = ("sparse_attention_backward", "sparse_indexer_loss_grad", "compressor_backward",
+                "indexer_compressor_backward")
 # contract section 6: Delta = <dO, out> with the out the backward was handed ("given", kernel
 # style) or with its own recomputed, unrounded forward ("recomputed", autograd style)
 BACKWARD_CONVENTIONS = ("given", "recomputed")
@@ -160,7 +171,7 @@ def _loss(case) -> bool:
 
 # which quantity's checks vouch for a read (cmp_lengths is judged with cmp_ids)
 _QUANTITY_OF = {"cmp_lengths": "cmp_ids", "att_lengths": "lengths", "loss_ids": "cmp_ids",
-                "loss_lse": "lse"}
+                "loss_lse": "lse", "kv": "kv_cmp", "dkv_cmp": "dkv"}
 # the indexer loss's key set and normaliser (section 8): the Top-K selection and the
 # attention's lse under the sparse teacher; under the dense teacher (section 5.2) every visible
 # compressed key and each head's log-sum-exp over them
@@ -204,6 +215,8 @@ def _read(case, name: str, x: dict, con: dict, produced: Callable | None = None,
             return x.get("lengths")
         return _read(case, "lengths", x, con, produced, pol) if case.lengths == "layer" \
             else None
+    if name in _DERIVED and _compressed(case):
+        return _DERIVED[name](case, lambda n: _read(case, n, x, con, produced, pol))
     if name in con:
         return con[name]
     st = _PRODUCER.get(name)
@@ -214,6 +227,30 @@ def _read(case, name: str, x: dict, con: dict, produced: Callable | None = None,
     if name in ("cmp_ids", "cmp_lengths"):
         return None
     return x[name]
+
+
+def _compressed(case) -> bool:
+    """``kv_cmp`` (and ``k_idx``) come from the compressor stages (section 15)."""
+    return bool(getattr(case, "compressor", False)) and case.is_layer
+
+
+# reads derived from other reads when the compressed keys come from the compressor: the
+# attention's key buffer (raw rows, then the compressor's kv_cmp in the raw rows' dtype) and
+# the compressor backward's upstream (the compressed rows of the attention's dkv)
+_DERIVED = {
+    "kv": lambda case, r: torch.cat([r("kv_raw"), r("kv_cmp").to(r("kv_raw").dtype)]),
+    "dkv_cmp": lambda case, r: r("dkv")[case.T:],
+}
+_DERIVED_FROM = {"kv": ("kv_raw", "kv_cmp"), "dkv_cmp": ("dkv",)}
+
+
+def _needs(case, name: str) -> tuple:
+    """The names a stage's read ``name`` takes from earlier stages or the inputs."""
+    if name == "att_lengths":
+        return ("lengths",)
+    if name in _DERIVED_FROM and _compressed(case):
+        return _DERIVED_FROM[name]
+    return (name,)
 
 
 def _stored(case, dtype):
@@ -281,7 +318,7 @@ def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True,
     for s in reversed(stages):
         if use[s.op] or wanted & set(s.writes):
             runs.append(s)
-            wanted |= {_QUANTITY_OF.get(r, r) for r in s.reads}
+            wanted |= {n for r in s.reads for n in _needs(case, _LOSS_READS.get(r, r))}
     got: dict = {}
     con: dict = {}
     backends: dict = {}
@@ -337,6 +374,29 @@ def convention_probe(adapter: Adapter, case, x: dict, con: dict, pol: dict) -> d
 LAYER_LEAVES = ("q", "kv_raw", "kv_cmp", "sink", "q_idx", "k_idx", "weights")
 
 
+def _layer_compressor(adapter: Adapter, case, x: dict):
+    """How the packed layer of a case whose compressed keys come from the compressor (section
+    15) is run: ``(raw leaves, inputs, stand-ins)``. A ``csa_layer`` that names the keyword
+    ``compressor`` takes the raw inputs (their names are leaves); any other gets ``kv_cmp`` and
+    ``k_idx`` as inputs, the oracle's compressor outputs stored in the case's dtype (the
+    stand-ins, recorded as consumed)."""
+    if not _compressed(case):
+        return (), x, {}
+    import inspect
+    try:
+        takes_raw = "compressor" in inspect.signature(adapter.op("csa_layer")).parameters
+    except (TypeError, ValueError):
+        takes_raw = False
+    if takes_raw:
+        return _CMP_IN + (_IDX_IN if case.has_indexer else ()), x, {}
+    done: dict = {}
+    for st in STAGES[:2]:
+        if st.applies(case):
+            done.update(oracle_stage(case, st, {k: v.to("cpu") for k, v in x.items()}, done))
+    standins = {k: v.to(case.torch_dtype).to(x["q"].device) for k, v in done.items()}
+    return (), dict(x, **standins), standins
+
+
 def layer_applies(case) -> bool:
     """The packed layer runs on layer cases whose indexer scores it computes itself."""
     return case.is_layer and case.scores == "indexer"
@@ -352,21 +412,31 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
     op = "csa_layer"
     lay = case.layout()
     train = backward and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-    leaf = {k: x[k].detach().clone().requires_grad_(train) for k in LAYER_LEAVES
+    raw, x, standins = _layer_compressor(adapter, case, x)
+    leaf = {k: x[k].detach().clone().requires_grad_(train) for k in LAYER_LEAVES + raw
             if k in x and not (k == "kv_cmp" and case.ratio == 0)
             and not (k in ("q_idx", "k_idx", "weights") and not case.has_indexer)}
     kw = dict(window=case.window, ratio=case.ratio, v_dim=case.v_dim, coeff=case.coeff,
               order=case.order)
-    if case.ratio:
+    if case.ratio and not raw:
         kw["kv_cmp"] = leaf["kv_cmp"]
     if case.has_indexer:
-        kw.update(q_idx=leaf["q_idx"], k_idx=leaf["k_idx"], weights=leaf["weights"],
-                  topk=case.topk)
-    attention_leaves = [k for k in ("q", "kv_raw", "kv_cmp", "sink") if k in leaf]
+        kw.update(q_idx=leaf["q_idx"], weights=leaf["weights"], topk=case.topk)
+        if not raw:
+            kw["k_idx"] = leaf["k_idx"]
+    if raw:                              # sections 13-15: the layer from raw tokens
+        kw.update(compressor=R.CompressorInputs(*(leaf[k] for k in _CMP_IN)), rope=case.rope())
+        if case.has_indexer:
+            kw["index_compressor"] = R.CompressorInputs(*(leaf[k] for k in _IDX_IN))
+    attention_leaves = [k for k in ("q", "kv_raw", "kv_cmp", "sink") + _CMP_IN if k in leaf]
     loss_only: dict = {}
 
     def forward_backward(*args, **kwargs):
         res = adapter.op(op)(*args, **kwargs)
+        for k in ("kv_cmp", "k_idx") if raw else ():
+            t = getattr(res, k, None)
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.retain_grad()          # its gradient is the compressor backward's upstream
         if train:
             roots, grads = [res.out], [x["dout"]]
             if isinstance(res.loss, torch.Tensor) and res.loss.requires_grad:
@@ -386,6 +456,10 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
     backends = dict(b) if isinstance(b, dict) else {op: adapter.name}
     try:
         got = dict(out=res.out.detach(), lse=res.lse, ids=res.ids, lengths=res.lengths)
+        if raw:
+            got["kv_cmp"] = res.kv_cmp.detach()
+            if case.has_indexer:
+                got["k_idx"] = res.k_idx.detach()
         if case.has_indexer:
             got.update(scores=res.index_scores, cmp_ids=res.compressed_ids,
                        cmp_lengths=res.compressed_lengths)
@@ -400,18 +474,29 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
         g = lambda k: (leaf[k].grad if leaf[k].grad is not None  # noqa: E731
                        else torch.zeros_like(leaf[k]))
         got["dq"], got["dsink"] = g("q"), g("sink")
-        got["dkv"] = torch.cat([g("kv_raw")] + ([g("kv_cmp")] if case.ratio else []))
+        if raw:
+            kg = lambda t: t.grad if t.grad is not None else torch.zeros_like(t)  # noqa: E731
+            got["dkv"] = torch.cat([g("kv_raw"), kg(res.kv_cmp)])
+            got.update({n: g(k) for n, k in zip(("d_cmp_kv", "d_cmp_score", "d_cmp_ape",
+                                                 "d_cmp_norm"), _CMP_IN)})
+        else:
+            got["dkv"] = torch.cat([g("kv_raw")] + ([g("kv_cmp")] if case.ratio else []))
         if case.has_indexer and "loss" in got:
-            got.update(dq_idx=g("q_idx"), dw=g("weights"), dk_idx=g("k_idx"))
+            got.update(dq_idx=g("q_idx"), dw=g("weights"),
+                       dk_idx=kg(res.k_idx) if raw else g("k_idx"))
+            if raw:
+                got.update({n: g(k) for n, k in zip(("d_idx_kv", "d_idx_score", "d_idx_ape",
+                                                     "d_idx_norm"), _IDX_IN)})
         if loss_only:
             z = lambda k: (loss_only[k] if loss_only[k] is not None  # noqa: E731
                            else torch.zeros_like(leaf[k]))
             got["loss_dq"], got["loss_dsink"] = z("q"), z("sink")
-            got["loss_dkv"] = torch.cat([z("kv_raw")] + ([z("kv_cmp")] if case.ratio else []))
+            got["loss_dkv"] = torch.cat([z("kv_raw").reshape(-1)] + [
+                z(k).reshape(-1) for k in ("kv_cmp",) + _CMP_IN if k in loss_only])
     for k, v in got.items():
         if not isinstance(v, torch.Tensor):
             raise OpError(op, f"result field {k} is {type(v).__name__}, not a tensor")
-    con = dict(got)
+    con = dict(got, **standins)
     conv = _pinned_convention(adapter, op) if train else None
     if conv is not None:
         con["backward_convention"] = conv
@@ -948,7 +1033,50 @@ def _index_kw(case, pol) -> dict:
     return {} if s is None else {"scale": s}
 
 
+def _judge_compressor(j: _Judging, st: Stage) -> list:
+    """Section 15 forward (RoPE of 13; the Hadamard rotation of 14 for the indexer's
+    compressor): ``kv_cmp`` or ``k_idx`` by error/bound ratio on the consumed raw inputs."""
+    v = j.reads(st)
+    out_o = _fields(st.op, j.oracle(st), 1)[0]
+    p = j.prec(st.op)
+    b = j.memo(("bound", st.op, p), lambda: EM.compressor_forward_bound(
+        *(v[r] for r in st.reads), j.lay, j.case.ratio, out_o, rope=j.case.rope(), precision=p,
+        rotate=st.op.startswith("indexer_")), *(v[r] for r in st.reads))
+    return [j.numeric(st.writes[0], out_o, b)] if st.writes[0] in j.got else []
+
+
+def _judge_compressor_backward(j: _Judging, st: Stage) -> list:
+    """Section 15 backward: the four gradients by error/bound ratio on the consumed raw inputs
+    and upstream gradient (exact zeros on the elements no group reads)."""
+    v = j.reads(st)
+    g_o = _fields(st.op, j.oracle(st), 4)
+    p = j.prec(st.op)
+    b = j.memo(("bound", st.op, p), lambda: EM.compressor_backward_bound(
+        *(v[r] for r in st.reads[:4]), j.lay, j.case.ratio, v[st.reads[4]], g_o,
+        rope=j.case.rope(), precision=p, rotate=st.op.startswith("indexer_")),
+        *(v[r] for r in st.reads))
+    return [j.numeric(n, e, bb) for n, e, bb in zip(st.writes, g_o, b) if n in j.got]
+
+
+_CMP_IN = ("cmp_kv", "cmp_score", "cmp_ape", "cmp_norm")
+_IDX_IN = ("idx_kv", "idx_score", "idx_ape", "idx_norm")
+_CMP_STORED = (IO, IO, torch.float32, torch.float32)
+
+
+def _compressor_call(names, upstream=None):
+    """The call of a compressor op: the four raw inputs, the layout, the ratio (and the
+    upstream gradient), ``rope`` the case's parameters."""
+    def call(c, lay, v):
+        args = tuple(v[n] for n in names) + (lay, c.ratio)
+        return (args + ((v[upstream],) if upstream else ()), dict(rope=c.rope()))
+    return call
+
+
 STAGES = (
+    Stage("compressor_forward", "15", _CMP_IN, ("kv_cmp",), (IO,), _compressed,
+          _compressor_call(_CMP_IN), _judge_compressor),
+    Stage("indexer_compressor_forward", "15", _IDX_IN, ("k_idx",), (IO,),
+          lambda c: _compressed(c) and _csa(c), _compressor_call(_IDX_IN), _judge_compressor),
     Stage("indexer_scores", "7", ("q_idx", "k_idx", "weights"), ("scores",), (torch.float32,),
           _indexer,
           lambda c, lay, v: ((v["q_idx"], v["k_idx"], v["weights"], lay, c.ratio), {}),
@@ -974,6 +1102,9 @@ STAGES = (
                               v["dout"]),
                              _scaled(c, dict(v_dim=c.v_dim, lengths=v["att_lengths"]))),
           _judge_backward),
+    Stage("compressor_backward", "15", _CMP_IN + ("dkv_cmp",),
+          ("d_cmp_kv", "d_cmp_score", "d_cmp_ape", "d_cmp_norm"), _CMP_STORED, _compressed,
+          _compressor_call(_CMP_IN, "dkv_cmp"), _judge_compressor_backward),
     Stage("sparse_indexer_loss", "8", ("q", "kv_cmp", "sink", "loss_lse", "loss_ids", "scores"),
           ("loss", "kl", "target", "predict"),
           (torch.float32, torch.float32, torch.float32, torch.float32), _loss,
@@ -989,6 +1120,10 @@ STAGES = (
           _judge_loss_grad,
           lambda c, pol: dict(num_real=loss_normaliser(c, pol), mode=pol["index_grad"],
                               kl_form=pol["kl_form"], **_index_kw(c, pol))),
+    Stage("indexer_compressor_backward", "15", _IDX_IN + ("dk_idx",),
+          ("d_idx_kv", "d_idx_score", "d_idx_ape", "d_idx_norm"), _CMP_STORED,
+          lambda c: _compressed(c) and _indexer(c) and _loss(c),
+          _compressor_call(_IDX_IN, "dk_idx"), _judge_compressor_backward),
 )
 _PRODUCER = {w: s for s in STAGES for w in s.writes}
 _STAGE = {s.op: s for s in STAGES}
@@ -1030,16 +1165,22 @@ def oracle_outputs(case, x: dict, *, backward: bool = True, policies=None) -> di
     return done
 
 # the quantities each stage's checks carry, for "not judged" rows
-_CHECKED = {"indexer_scores": (("scores", "numeric"),),
+_CHECKED = {"compressor_forward": (("kv_cmp", "numeric"),),
+            "indexer_compressor_forward": (("k_idx", "numeric"),),
+            "indexer_scores": (("scores", "numeric"),),
             "stable_topk": (("cmp_ids", "topk"),),
             "build_csa_indices": (("ids", "exact"), ("lengths", "exact")),
             "sparse_attention_forward": (("out", "numeric"), ("lse", "numeric")),
             "sparse_attention_backward": (("dq", "numeric"), ("dkv", "numeric"),
                                           ("dsink", "numeric")),
+            "compressor_backward": tuple((q, "numeric") for q in (
+                "d_cmp_kv", "d_cmp_score", "d_cmp_ape", "d_cmp_norm")),
             "sparse_indexer_loss": (("loss", "numeric"), ("kl", "numeric"),
                                     ("target", "numeric"), ("predict", "numeric")),
             "sparse_indexer_loss_grad": (("dq_idx", "numeric"), ("dw", "numeric"),
-                                         ("dk_idx", "numeric"))}
+                                         ("dk_idx", "numeric")),
+            "indexer_compressor_backward": tuple((q, "numeric") for q in (
+                "d_idx_kv", "d_idx_score", "d_idx_ape", "d_idx_norm"))}
 
 
 LOSS_DETACHED = ("loss_dq", "loss_dkv", "loss_dsink")

@@ -71,6 +71,23 @@ class Adapter:
         io = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
         return Precision(acc=torch.float32, io=io, stats=torch.float32)
 
+    # -- sections 13-15: the compressors ---------------------------------------------------
+    def compressor_forward(self, kv, score, ape, norm_weight, layout, ratio, *, rope):
+        """kv, score [T, c*d] the token projections (c = 2 with the overlap, on for ratio 4),
+        ape [r, c*d] and norm_weight [d] float32, rope a reference.RopeSpec (or a table).
+        Return: kv_cmp [C, d], one compressed key per group of r tokens (per document, over
+        its padded length), pooled, RMS-normed and rotated at the group's first position."""
+        # REPLACE WITH YOUR KERNEL
+        return api.compressor_forward(kv, score, ape, norm_weight, layout, ratio, rope=rope,
+                                      backend="torch")
+
+    def indexer_compressor_forward(self, kv, score, ape, norm_weight, layout, ratio, *, rope):
+        """As compressor_forward, then the normalised Walsh-Hadamard rotation.
+        Return: k_idx [C, D_I]."""
+        # REPLACE WITH YOUR KERNEL
+        return api.indexer_compressor_forward(kv, score, ape, norm_weight, layout, ratio,
+                                              rope=rope, backend="torch")
+
     # -- section 7: lightning-indexer scores ------------------------------------------------
     def indexer_scores(self, q_idx, k_idx, weights, layout, ratio):
         """q_idx [T, H_I, D_I] indexer queries, k_idx [C, D_I] indexer keys of the compressed
@@ -118,6 +135,13 @@ class Adapter:
         return api.sparse_attention_backward(q, kv, ids, sink, out, lse, dout, v_dim=v_dim,
                                              lengths=lengths, backend="torch")
 
+    def compressor_backward(self, kv, score, ape, norm_weight, layout, ratio, dout, *, rope):
+        """The forward's arguments and dout [C, d], the gradient wrt kv_cmp.
+        Return: (dkv [T, c*d], dscore [T, c*d], dape [r, c*d], dnorm_weight [d])."""
+        # REPLACE WITH YOUR KERNEL
+        return api.compressor_backward(kv, score, ape, norm_weight, layout, ratio, dout,
+                                       rope=rope, backend="torch")
+
     # -- section 8: sparse indexer KL loss ------------------------------------------------
     def sparse_indexer_loss(self, q, kv_cmp, sink, lse, compressed_ids, index_scores, layout, *,
                             coeff):
@@ -140,20 +164,31 @@ class Adapter:
                                             predict, coeff=coeff, num_real=num_real,
                                             backend="torch")
 
-    # -- sections 4 to 8: the packed layer (optional) -------------------------------------
+    def indexer_compressor_backward(self, kv, score, ape, norm_weight, layout, ratio, dout, *,
+                                    rope):
+        """As compressor_backward, for dout = dk_idx [C, D_I] (the indexer's compressor)."""
+        # REPLACE WITH YOUR KERNEL
+        return api.indexer_compressor_backward(kv, score, ape, norm_weight, layout, ratio, dout,
+                                               rope=rope, backend="torch")
+
+    # -- sections 4 to 15: the packed layer (optional) ------------------------------------
     def csa_layer(self, q, kv, sink, layout, *, window, ratio, v_dim=None, coeff=0.0,
-                  order="id", kv_cmp=None, q_idx=None, k_idx=None, weights=None, topk=None):
+                  order="id", kv_cmp=None, q_idx=None, k_idx=None, weights=None, topk=None,
+                  compressor=None, index_compressor=None, rope=None):
         """The whole layer with autograd: q [T, H, D], kv [T, D] raw keys/values, sink [H],
         kv_cmp [C, D] (compressed layers), and for a CSA layer the indexer inputs and topk.
         The checker runs the forward, then autograd backward of out and of the loss.
         Return: an object with out, loss, lse, ids, lengths and, for a CSA layer,
         compressed_ids, compressed_lengths, index_scores and indexer_loss (kl, target,
-        predict); see gpu_impl.layer.LayerResult."""
+        predict); see gpu_impl.layer.LayerResult. From raw tokens, compressor (and
+        index_compressor) hold the compressors' inputs (reference.CompressorInputs) and rope
+        instead of kv_cmp (and k_idx); then also return kv_cmp and k_idx."""
         # REPLACE WITH YOUR KERNEL
         from dsv4_oracle.gpu_impl.layer import csa_layer
         return csa_layer(q, kv, sink, layout, window=window, ratio=ratio, v_dim=v_dim,
                          coeff=coeff, order=order, kv_cmp=kv_cmp, q_idx=q_idx, k_idx=k_idx,
-                         weights=weights, topk=topk, backend="torch")
+                         weights=weights, topk=topk, compressor=compressor,
+                         index_compressor=index_compressor, rope=rope, backend="torch")
 '''
 
 

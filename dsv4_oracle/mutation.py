@@ -461,6 +461,57 @@ MUTANTS: tuple[Mutant, ...] = (
     _m("layer-dsink-dropped", "the layer returns no sink gradient",
        (LAYER, "bwd.dsink.to(sink.dtype)", "torch.zeros_like(sink)"),
        first=["padding-edge-layout"]),
+    # -- sections 13-15: the compressor ---------------------------------------------------------
+    _m("compressor-overlap-not-reset", "the overlap slots of a document's first group read the "
+       "previous document's last tokens (no reset at a document start)",
+       (TB, "prev = torch.where((g > 0).unsqueeze(1), prev, torch.full_like(prev, -1))",
+        "prev = torch.where(prev >= 0, prev, torch.full_like(prev, -1))"),
+       first=["compressor-edges", "compressor-cp2-saturated"]),
+    _m("compressor-logical-lengths", "groups counted over the real length L_b instead of the "
+       "physical length P_b",
+       (TB, "counts = layout.doc_padded_lengths // ratio\n    cu_pad",
+        "counts = layout.doc_lengths // ratio\n    cu_pad"),
+       first=["compressor-edges", "compressor-cp2-saturated"]),
+    _m("compressor-ape-global-position", "ape indexed by the packed row mod r instead of the "
+       "token's offset in its group",
+       (TB, "ape_row = ((tok - doc_start) % ratio) * c + half",
+        "ape_row = (tok % ratio) * c + half"),
+       first=["compressor-edges", "compressor-cp2-saturated"]),
+    _m("compressor-rope-last-token", "the compressed key rotated at its group's last token "
+       "(g*r + r - 1) instead of its first (g*r)",
+       (TB, "return _Slots(element.to(dev), ape_row.to(dev), (g * ratio).to(dev))",
+        "return _Slots(element.to(dev), ape_row.to(dev), (g * ratio + ratio - 1).to(dev))"),
+       first=["compressor-edges", "compressor-cp2-saturated"]),
+    _m("compressor-rope-rotate-half", "RoPE pairs channel i with i + d_r/2 (rotate-half) instead "
+       "of the interleaved pairs (2i, 2i+1)",
+       (TB, "a, b = tail[:, 0::2], tail[:, 1::2]", "a, b = tail[:, :dim // 2], tail[:, dim // 2:]"),
+       (TB, "torch.stack([a * cos - b * sin, a * sin + b * cos], dim=2).reshape(n, dim)",
+        "torch.cat([a * cos - b * sin, a * sin + b * cos], dim=1)"),
+       first=["compressor-edges", "compressor-cp2-saturated"]),
+    _m("hadamard-unnormalised", "the indexer compressor's Hadamard rotation without the scale "
+       "d**-0.5",
+       (TB, "    return y * d ** -0.5\n", "    return y\n"),
+       first=["compressor-edges", "compressor-cp2-saturated"]),
+    _m("hadamard-before-norm", "the Hadamard rotation applied to the pooled row before the "
+       "RMSNorm and RoPE instead of after them",
+       (TB, "    ctil = _store(ctil, like)\n    n = _store(",
+        "    ctil = _store(_hadamard32(ctil) if rotate else ctil, like)\n    n = _store("),
+       (TB, "    if rotate:\n        y = _hadamard32(y)\n    return y\n",
+        "    return y\n"),
+       first=["compressor-edges", "compressor-cp2-saturated"]),
+    _m("compressor-tail-forms-group", "the P_b mod r tail tokens form one more (short) group",
+       (TB, "counts = layout.doc_padded_lengths // ratio\n    cu_pad",
+        "counts = (layout.doc_padded_lengths + ratio - 1) // ratio\n    cu_pad"),
+       first=["compressor-edges", "compressor-cp2-saturated"]),
+    _m("dape-timing-order", "d_ape's terms folded in a different order on every call (as float "
+       "atomics do)",
+       (TB, "        fixed_order_scatter_add(dape, slots.ape_row[g0:g1].reshape(-1), dz.reshape(-1, d),",
+        "        perm = torch.randperm(dz.shape[0] * S, generator=torch.Generator().manual_seed("
+        "int.from_bytes(os.urandom(7), 'little')))\n"
+        "        fixed_order_scatter_add(dape, slots.ape_row[g0:g1].reshape(-1)[perm], "
+        "dz.reshape(-1, d)[perm],"),
+       (TB, "import contextlib\n", "import contextlib\nimport os\n"),
+       first=["compressor-edges", "compressor-cp2-saturated"], replays=4),
     # -- lane mutants: code the single-device catalog does not run ------------------------------
     _m("cp-n-per-rank", "the CP layer normalises the loss by N / cp (a per-rank count) instead "
        "of the global N",
@@ -548,10 +599,10 @@ def build_adapter(mutant: Mutant | None):
             self._api = api
             self.name = f"mutant:{tag}"
 
-        def csa_layer(self, *args, **kwargs):
+        def csa_layer(self, q, kv, sink, layout, *, compressor=None, **kwargs):
             kwargs.setdefault("backend", self.request)
             kwargs.setdefault("deterministic", self.deterministic)
-            return layer.csa_layer(*args, **kwargs)
+            return layer.csa_layer(q, kv, sink, layout, compressor=compressor, **kwargs)
 
     impl = _MutantImpl()
     return Adapter(impl, name=impl.name, device="cpu", spec=impl.name)

@@ -86,8 +86,9 @@ def power_of(case_id: str, quantity: str, expected: torch.Tensor, bound: torch.T
 
 
 # quantities in pipeline order (the numeric outputs of fixtures.run_oracle)
-QUANTITIES = ("scores", "out", "lse", "dq", "dkv", "dsink", "loss", "kl", "target", "predict",
-              "dq_idx", "dw", "dk_idx")
+QUANTITIES = ("kv_cmp", "k_idx", "scores", "out", "lse", "dq", "dkv", "dsink", "d_cmp_kv",
+              "d_cmp_score", "d_cmp_ape", "d_cmp_norm", "loss", "kl", "target", "predict",
+              "dq_idx", "dw", "dk_idx", "d_idx_kv", "d_idx_score", "d_idx_ape", "d_idx_norm")
 
 
 def case_power(case, policies=None) -> list[PowerRow]:

@@ -18,16 +18,22 @@ unused slot. ``layout`` is a :class:`reference.PackedLayout`.
 =============================  ========  ======================================================
 op                             section   returns (first fields)
 =============================  ========  ======================================================
+``compressor_forward``         13, 15    ``kv_cmp [C, d]`` (a tensor, or a 1-tuple)
+``indexer_compressor_forward`` 13-15     ``k_idx [C, D_I]`` (a tensor, or a 1-tuple)
 ``indexer_scores``             7         ``scores [T, C]`` (a tensor, or a 1-tuple)
 ``stable_topk``                4         ``ids [T, K]``, ``lengths [T]``
 ``build_csa_indices``          5         ``ids [T, width]``, ``lengths [T]``
 ``sparse_attention_forward``   6         ``out [T, H, Dv]``, ``lse [T, H]``
 ``sparse_attention_backward``  6         ``dq [T, H, D]``, ``dkv [S, D]``, ``dsink [H]``
+``compressor_backward``        13, 15    ``dkv [T, c*d]``, ``dscore [T, c*d]``,
+                                         ``dape [r, c*d]``, ``dnorm_weight [d]``
 ``sparse_indexer_loss``        8         ``loss []``, ``kl [T]``, ``target [T, K]``,
                                          ``predict [T, K]``
 ``sparse_indexer_loss_grad``   8         ``dq_idx [T, H_I, D_I]``, ``dw [T, H_I]``,
                                          ``dk_idx [C, D_I]``
-``csa_layer``                  4 to 8    an object with the fields of :class:`LayerOutput`
+``indexer_compressor_``        13-15     as ``compressor_backward``, for ``k_idx``
+``backward``
+``csa_layer``                  4 to 15   an object with the fields of :class:`LayerOutput`
 =============================  ========  ======================================================
 
 ``PROTOCOLS[op]`` is the protocol class of each op (``isinstance`` works on any callable; it
@@ -45,14 +51,17 @@ __all__ = [
     "OPS", "LAYER_OP", "ALL_OPS", "SECTIONS", "PROTOCOLS", "fed_by_oracle", "ops_line",
     "IndexerScoresOp", "StableTopkOp", "BuildCsaIndicesOp", "SparseAttentionForwardOp",
     "SparseAttentionBackwardOp", "SparseIndexerLossOp", "SparseIndexerLossGradOp",
-    "CsaLayerOp", "LayerOutput", "IndexerLossOutput",
+    "CsaLayerOp", "LayerOutput", "IndexerLossOutput", "CompressorForwardOp",
+    "CompressorBackwardOp", "IndexerCompressorForwardOp", "IndexerCompressorBackwardOp",
 ]
 
 Tensor = torch.Tensor
 
 # the op-level protocol, in pipeline order (each op reads only what earlier ops produce)
-OPS = ("indexer_scores", "stable_topk", "build_csa_indices", "sparse_attention_forward",
-       "sparse_attention_backward", "sparse_indexer_loss", "sparse_indexer_loss_grad")
+OPS = ("compressor_forward", "indexer_compressor_forward", "indexer_scores", "stable_topk",
+       "build_csa_indices", "sparse_attention_forward", "sparse_attention_backward",
+       "compressor_backward", "sparse_indexer_loss", "sparse_indexer_loss_grad",
+       "indexer_compressor_backward")
 # the packed layer: the same pipeline in one call, with autograd
 LAYER_OP = "csa_layer"
 ALL_OPS = OPS + (LAYER_OP,)
@@ -74,9 +83,51 @@ def ops_line(ops) -> str:
 
 
 # op -> the contract section it implements
-SECTIONS = {"indexer_scores": "7", "stable_topk": "4", "build_csa_indices": "5",
+SECTIONS = {"compressor_forward": "15", "indexer_compressor_forward": "15",
+            "compressor_backward": "15", "indexer_compressor_backward": "15",
+            "indexer_scores": "7", "stable_topk": "4", "build_csa_indices": "5",
             "sparse_attention_forward": "6", "sparse_attention_backward": "6",
-            "sparse_indexer_loss": "8", "sparse_indexer_loss_grad": "8", LAYER_OP: "4-8"}
+            "sparse_indexer_loss": "8", "sparse_indexer_loss_grad": "8", LAYER_OP: "4-15"}
+
+
+@runtime_checkable
+class CompressorForwardOp(Protocol):
+    def __call__(self, kv: Tensor, score: Tensor, ape: Tensor, norm_weight: Tensor,
+                 layout: PackedLayout, ratio: int, *, rope) -> Tensor | tuple:
+        """Contract section 15 (RoPE: section 13): ``kv``, ``score [T, c*d]`` (the token
+        projections; ``c = 2`` with the overlap, which is on for ``ratio == 4``), ``ape [r, c*d]``
+        and ``norm_weight [d]`` (float32), ``rope`` a :class:`reference.RopeSpec` (or a
+        ``[P, d_r/2, 2]`` table of ``(cos, sin)``). Returns ``kv_cmp [C, d]`` in compressed-row
+        order: per document, groups of ``r`` tokens over its padded length, softmax-pooled per
+        channel (slots ``2r`` with the overlap, reset at every document start), RMSNorm, RoPE at
+        the group's first-token position ``g*r``."""
+
+
+@runtime_checkable
+class IndexerCompressorForwardOp(Protocol):
+    def __call__(self, kv: Tensor, score: Tensor, ape: Tensor, norm_weight: Tensor,
+                 layout: PackedLayout, ratio: int, *, rope) -> Tensor | tuple:
+        """Contract section 15, the indexer's compressor: as :class:`CompressorForwardOp`,
+        followed by the normalised Walsh-Hadamard rotation of section 14. Returns
+        ``k_idx [C, D_I]``."""
+
+
+@runtime_checkable
+class CompressorBackwardOp(Protocol):
+    def __call__(self, kv: Tensor, score: Tensor, ape: Tensor, norm_weight: Tensor,
+                 layout: PackedLayout, ratio: int, dout: Tensor, *, rope) -> tuple:
+        """Contract section 15 backward: the forward's arguments and ``dout [C, d]``, the
+        gradient of ``kv_cmp``. Returns ``(dkv [T, c*d], dscore [T, c*d], dape [r, c*d],
+        dnorm_weight [d])``; ``dkv`` and ``dscore`` are exact zeros on elements no group reads;
+        in deterministic mode ``dape`` and ``dnorm_weight`` are summed in a fixed order."""
+
+
+@runtime_checkable
+class IndexerCompressorBackwardOp(Protocol):
+    def __call__(self, kv: Tensor, score: Tensor, ape: Tensor, norm_weight: Tensor,
+                 layout: PackedLayout, ratio: int, dout: Tensor, *, rope) -> tuple:
+        """Contract section 15 backward of the indexer's compressor, for ``dout = dk_idx``:
+        as :class:`CompressorBackwardOp`."""
 
 
 @runtime_checkable
@@ -167,7 +218,9 @@ class LayerOutput(Protocol):
     """What ``csa_layer`` returns (attribute access; :class:`gpu_impl.layer.LayerResult` is
     one). ``out`` must be differentiable into ``q``, ``kv`` (``kv_raw``), ``kv_cmp`` and
     ``sink``; ``loss`` into ``q_idx``, ``k_idx`` and ``weights`` only (the checker runs the
-    backward itself, through autograd). The CSA fields are read for ``layer="csa"``."""
+    backward itself, through autograd). The CSA fields are read for ``layer="csa"``. A layer
+    run from raw compressor inputs returns ``kv_cmp`` and ``k_idx``: the very tensors the
+    attention and the indexer read (the checker retains their gradients)."""
 
     out: Tensor                          # [T, H, Dv]
     loss: Tensor                         # [] indexer loss (0 without an indexer)
@@ -178,6 +231,8 @@ class LayerOutput(Protocol):
     compressed_lengths: Optional[Tensor]  # [T] (CSA)
     index_scores: Optional[Tensor]       # [T, C] (CSA)
     indexer_loss: Optional[IndexerLossOutput]  # (CSA)
+    kv_cmp: Optional[Tensor]             # [C, D] the compressor's output (raw inputs)
+    k_idx: Optional[Tensor]              # [C, D_I] the indexer compressor's output (raw inputs)
 
 
 @runtime_checkable
@@ -186,14 +241,22 @@ class CsaLayerOp(Protocol):
                  window: int, ratio: int, v_dim: Optional[int], coeff: float, order: str,
                  kv_cmp: Optional[Tensor] = None, q_idx: Optional[Tensor] = None,
                  k_idx: Optional[Tensor] = None, weights: Optional[Tensor] = None,
-                 topk: Optional[int] = None) -> LayerOutput:
+                 topk: Optional[int] = None, compressor=None, index_compressor=None,
+                 rope=None) -> LayerOutput:
         """Contract sections 4 to 8 in one call: the packed layer (the signature of
         :func:`gpu_impl.layer.csa_layer`). ``kv`` holds the raw rows ``[T, D]``; ``kv_cmp``
         (``ratio > 0``) the compressed ones; ``q_idx``, ``k_idx``, ``weights`` and ``topk``
-        are given for a CSA layer only."""
+        are given for a CSA layer only. From raw tokens (sections 13-15): ``compressor`` (a
+        :class:`reference.CompressorInputs`) and ``rope`` instead of ``kv_cmp``, and for a
+        CSA layer ``index_compressor`` instead of ``k_idx``; the checker passes them only to a
+        ``csa_layer`` that names the keyword ``compressor``."""
 
 
 PROTOCOLS = {
+    "compressor_forward": CompressorForwardOp,
+    "indexer_compressor_forward": IndexerCompressorForwardOp,
+    "compressor_backward": CompressorBackwardOp,
+    "indexer_compressor_backward": IndexerCompressorBackwardOp,
     "indexer_scores": IndexerScoresOp,
     "stable_topk": StableTopkOp,
     "build_csa_indices": BuildCsaIndicesOp,

@@ -320,6 +320,55 @@ def check_inputs_unchanged(case, x):
     return [content_hash(t) for t in tensors] == before, f"{len(tensors)} input tensors hashed"
 
 
+def compressor_worked_example():
+    """The worked example of contract section 15: ``(inputs, layout, rope table, kv_cmp)``:
+    ``inputs`` holds ``kv``, ``score``, ``ape``, ``norm_weight`` (float64; every element the
+    compressor does not read is NaN), ``kv_cmp`` the expected output in closed form."""
+    lay = R.PackedLayout([0, 5, 7], [0, 7, 9], 10)
+    kv = torch.full((10, 4), math.nan, dtype=torch.float64)
+    for row, vals in {0: [8, 0, 4, 0], 1: [0, 8, 0, 4], 2: [8, 8, 0, 8], 3: [-8, 8, 8, 0]}.items():
+        kv[row] = torch.tensor(vals, dtype=torch.float64)
+    for row, vals in {4: [8, -8], 5: [8, 8], 7: [4, 4], 8: [-4, 4]}.items():
+        kv[row, 2:] = torch.tensor(vals, dtype=torch.float64)
+    score = torch.where(torch.isnan(kv), kv, torch.zeros_like(kv))
+    ape = torch.zeros(2, 4, dtype=torch.float64)
+    ape[0] = math.log(3)
+    theta = torch.arange(8, dtype=torch.float64) * math.pi / 4
+    table = torch.stack([torch.cos(theta), torch.sin(theta)], -1).unsqueeze(1)     # [8, 1, 2]
+    s5, s10 = 5 ** -0.5, 10 ** -0.5
+    want = torch.tensor([[3 * s5, s5], [-1, 1], [-3 * s5, -s5], [2 * s10, 4 * s10]],
+                        dtype=torch.float64)
+    return (dict(kv=kv, score=score, ape=ape, norm_weight=torch.ones(2, dtype=torch.float64)),
+            lay, table, want)
+
+
+def check_compressor_worked_example(case, x):
+    inp, lay, table, want = compressor_worked_example()
+    got = R.compressor_forward(*inp.values(), lay, 2, rope=table, overlap=True)
+    err = float((got - want).abs().max())
+    return err <= 1e-6, f"kv_cmp of section 15's example, max |error| {err:.2g} (eps 1e-6)"
+
+
+def check_compressor_vs_autograd(case, x):
+    """The compressor's closed-form backward against autograd of its forward, on raw inputs
+    drawn for the case's layout (ratio 4 with the overlap, the indexer's Hadamard rotation)."""
+    from dsv4_oracle.reference.error_model import ORACLE_PRECISION, compressor_backward_bound
+    g = torch.Generator().manual_seed(15)
+    T, d = x.layout.num_rows, 8
+    leaves = [torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_(True)
+              for s in ((T, 2 * d), (T, 2 * d), (4, 2 * d), (d,))]
+    rope = R.RopeSpec(dim=4, base=100.0, factor=4.0, original_seq_len=8)
+    out = R.indexer_compressor_forward(*leaves, x.layout, 4, rope=rope)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    auto = torch.autograd.grad(out, leaves, dout)
+    args = [t.detach() for t in leaves]
+    closed = R.indexer_compressor_backward(*args, x.layout, 4, dout, rope=rope)
+    bounds = compressor_backward_bound(*args, x.layout, 4, dout, closed, rope=rope,
+                                       precision=ORACLE_PRECISION, rotate=True)
+    return [compare_numeric(n, c, a, b) for n, c, a, b in
+            zip(("dkv", "dscore", "dape", "dnorm_weight"), closed, auto, bounds)]
+
+
 # (name, contract section, function, applies to the case?)
 CHECKS: tuple[tuple[str, str, Callable, Callable], ...] = (
     ("worked example ids/lengths", "4, 7", check_worked_example, lambda c: c.id == WORKED_EXAMPLE),
@@ -340,6 +389,10 @@ CHECKS: tuple[tuple[str, str, Callable, Callable], ...] = (
     ("CP per-rank rows bitwise", "10", check_cp_rows, lambda c: True),
     ("chunking-independent bits", "10", check_chunking, lambda c: True),
     ("inputs unchanged", "5, 11", check_inputs_unchanged, lambda c: True),
+    ("compressor worked example", "13-15", check_compressor_worked_example,
+     lambda c: c.id == WORKED_EXAMPLE),
+    ("compressor backward == autograd", "13-15, 12", check_compressor_vs_autograd,
+     lambda c: c.id == GRADCHECK_CASE),
 )
 
 

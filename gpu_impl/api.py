@@ -30,13 +30,15 @@ from typing import NamedTuple
 import torch
 
 from dsv4_oracle.protocol import OPS as PROTOCOL_OPS
-from dsv4_oracle.reference.constants import GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
+from dsv4_oracle.reference.constants import COMPRESSOR_EPS, GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
 
 from . import torch_backend
 from .checks import as_bool, choice
 
 __all__ = [
     "AttentionBackward", "AttentionForward", "BACKENDS", "BackendUnavailable", "CsaIndices",
+    "CompressedKeys", "CompressorGradients", "compressor_backward", "compressor_forward",
+    "indexer_compressor_backward", "indexer_compressor_forward",
     "IndexerGrads", "IndexerLossResult", "IndexerScores", "NormedQuery", "OPS", "TopK",
     "build_csa_indices", "indexer_scores", "q_rms_norm", "resolve_backend",
     "sparse_attention_backward", "sparse_attention_forward", "sparse_indexer_loss",
@@ -250,3 +252,60 @@ def q_rms_norm(q, eps=QNORM_EPS, *, backend="auto", deterministic=True):
     """Section 9. Returns :class:`NormedQuery` ``(q, backend)``."""
     out, name = _run("q_rms_norm", q, backend, deterministic, (q, eps), {})
     return NormedQuery(out, name)
+
+
+class CompressedKeys(NamedTuple):
+    kv_cmp: torch.Tensor
+    backend: str
+
+
+class CompressorGradients(NamedTuple):
+    dkv: torch.Tensor
+    dscore: torch.Tensor
+    dape: torch.Tensor
+    dnorm_weight: torch.Tensor
+    backend: str
+
+
+def compressor_forward(kv, score, ape, norm_weight, layout, ratio, *, rope, overlap=None,
+                       rotate=False, eps=COMPRESSOR_EPS, chunk_rows=None, backend="auto",
+                       deterministic=True):
+    """Section 15 forward (``rotate``: the indexer's compressor). Returns
+    :class:`CompressedKeys` ``(kv_cmp, backend)``."""
+    out, name = _run("compressor_forward", kv, backend, deterministic,
+                     (kv, score, ape, norm_weight, layout, ratio),
+                     dict(rope=rope, overlap=overlap, rotate=rotate, eps=eps,
+                          chunk_rows=chunk_rows))
+    return CompressedKeys(out, name)
+
+
+def compressor_backward(kv, score, ape, norm_weight, layout, ratio, dout, *, rope, overlap=None,
+                        rotate=False, eps=COMPRESSOR_EPS, chunk_rows=None, backend="auto",
+                        deterministic=True):
+    """Section 15 backward. Returns :class:`CompressorGradients`
+    ``(dkv, dscore, dape, dnorm_weight, backend)``."""
+    res, name = _run("compressor_backward", kv, backend, deterministic,
+                     (kv, score, ape, norm_weight, layout, ratio, dout),
+                     dict(rope=rope, overlap=overlap, rotate=rotate, eps=eps,
+                          chunk_rows=chunk_rows))
+    return CompressorGradients(*tuple(res), name)
+
+
+def indexer_compressor_forward(kv, score, ape, norm_weight, layout, ratio, *, rope, overlap=None,
+                               eps=COMPRESSOR_EPS, chunk_rows=None, backend="auto",
+                               deterministic=True):
+    """Section 15, the indexer's compressor (with the Hadamard rotation of section 14)."""
+    out, name = _run("indexer_compressor_forward", kv, backend, deterministic,
+                     (kv, score, ape, norm_weight, layout, ratio),
+                     dict(rope=rope, overlap=overlap, eps=eps, chunk_rows=chunk_rows))
+    return CompressedKeys(out, name)
+
+
+def indexer_compressor_backward(kv, score, ape, norm_weight, layout, ratio, dout, *, rope,
+                                overlap=None, eps=COMPRESSOR_EPS, chunk_rows=None,
+                                backend="auto", deterministic=True):
+    """Section 15 backward of the indexer's compressor."""
+    res, name = _run("indexer_compressor_backward", kv, backend, deterministic,
+                     (kv, score, ape, norm_weight, layout, ratio, dout),
+                     dict(rope=rope, overlap=overlap, eps=eps, chunk_rows=chunk_rows))
+    return CompressorGradients(*tuple(res), name)

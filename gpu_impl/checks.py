@@ -25,13 +25,13 @@ import torch
 from dsv4_oracle.reference.layout import PackedLayout
 
 __all__ = [
-    "AttentionArgs", "AttentionBackwardArgs", "FLOAT_DTYPES", "INDEX_DTYPES",
+    "AttentionArgs", "AttentionBackwardArgs", "CompressorArgs", "FLOAT_DTYPES", "INDEX_DTYPES",
     "IndexerLossArgs", "IndexerLossGradArgs", "IndexerScoresArgs", "TopkArgs", "as_bool",
     "as_int", "as_real", "check_dim", "check_layout", "choice", "float_tensor", "has_nan",
     "head_dim", "index_tensor", "reject_loss_values", "reject_nan", "reject_negative",
     "same_device", "validate_attention_backward",
     "validate_attention_forward", "validate_indexer_scores", "validate_sparse_indexer_loss",
-    "validate_sparse_indexer_loss_grad", "validate_stable_topk",
+    "validate_sparse_indexer_loss_grad", "validate_stable_topk", "validate_compressor",
 ]
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -403,3 +403,72 @@ def validate_sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, tar
     mode = choice(mode, "mode", ("clipped", "autograd"))
     return IndexerLossGradArgs(q, k, w, ids, tau, p_in, coeff, n_real, grad_loss, scale, e,
                                floor, mode, deterministic, dev)
+
+
+class CompressorArgs(NamedTuple):
+    kv: torch.Tensor
+    score: torch.Tensor
+    ape: torch.Tensor
+    norm_weight: torch.Tensor
+    ratio: int
+    coff: int
+    d: int
+    rope: object
+    rotate: bool
+    eps: float
+    deterministic: bool
+    device: torch.device
+
+
+def validate_compressor(kv, score, ape, norm_weight, layout, ratio, rope, overlap, rotate, eps,
+                        deterministic, dout=None) -> CompressorArgs:
+    """Contract section 15 arguments (metadata only): ``kv``, ``score [T, c*d]`` of one float
+    dtype, ``ape [r, c*d]`` and ``norm_weight [d]`` float tensors, a layout, ``ratio >= 1``,
+    ``overlap`` (None: ``ratio == 4``), ``rope`` (a ``reference.RopeSpec`` with an even
+    ``dim <= d``, or a ``[P, dim/2, 2]`` table), ``rotate`` (``d`` a power of two), ``eps > 0``,
+    the upstream ``dout [C, d]`` of a backward."""
+    from dsv4_oracle.reference.rope import RopeSpec
+    check_layout(layout)
+    ratio = as_int(ratio, "ratio", minimum=1)
+    if overlap is not None and not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be a bool or None, got {type(overlap).__name__}")
+    c = 2 if (ratio == 4 if overlap is None else overlap) else 1
+    kv = float_tensor(kv, "kv", ndim=2)
+    score = float_tensor(score, "score", ndim=2)
+    ape = float_tensor(ape, "ape", ndim=2)
+    norm_weight = float_tensor(norm_weight, "norm_weight", ndim=1)
+    rotate = as_bool(rotate, "rotate")
+    eps = as_real(eps, "eps", positive=True)
+    deterministic = as_bool(deterministic, "deterministic")
+    dev = same_device(kv=kv, score=score, ape=ape, norm_weight=norm_weight, dout=dout)
+    check_dim(kv, "kv", 0, layout.num_rows, "layout.num_rows")
+    if kv.shape[1] % c or kv.shape[1] == 0:
+        raise ValueError(f"kv must have c*d columns with c = {c}, got shape {tuple(kv.shape)}")
+    d = kv.shape[1] // c
+    if score.shape != kv.shape or score.dtype != kv.dtype:
+        raise ValueError(f"score must have kv's shape {tuple(kv.shape)} and dtype {kv.dtype}, "
+                         f"got {tuple(score.shape)} {score.dtype}")
+    if tuple(ape.shape) != (ratio, c * d):
+        raise ValueError(f"ape must have shape ({ratio}, {c * d}), got {tuple(ape.shape)}")
+    check_dim(norm_weight, "norm_weight", 0, d, "the compressed key width d")
+    if isinstance(rope, RopeSpec):
+        if isinstance(rope.dim, bool) or not isinstance(rope.dim, int) or rope.dim < 2 \
+                or rope.dim % 2 or rope.dim > d:
+            raise ValueError(f"rope.dim must be an even int in [2, {d}], got {rope.dim!r}")
+    elif isinstance(rope, torch.Tensor):
+        float_tensor(rope, "rope", ndim=3)
+        if rope.shape[2] != 2 or 2 * rope.shape[1] > d or rope.shape[1] < 1:
+            raise ValueError(f"rope table must have shape [P, dim/2, 2] with dim <= {d}, got "
+                             f"{tuple(rope.shape)}")
+    else:
+        raise TypeError(f"rope must be a reference.RopeSpec or a (cos, sin) table tensor, got "
+                        f"{type(rope).__name__}")
+    if rotate and d & (d - 1):
+        raise ValueError(f"the Hadamard rotation (rotate=True) needs a power-of-two d, got {d}")
+    if dout is not None:
+        float_tensor(dout, "dout", ndim=2)
+        want = (layout.num_compressed(ratio), d)
+        if tuple(dout.shape) != want:
+            raise ValueError(f"dout must have shape {want}, got {tuple(dout.shape)}")
+    return CompressorArgs(kv, score, ape, norm_weight, ratio, c, d, rope, rotate, eps,
+                          deterministic, dev)

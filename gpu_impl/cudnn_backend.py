@@ -54,19 +54,21 @@ import math
 
 import torch
 
-from dsv4_oracle.reference.constants import GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
+from dsv4_oracle.reference.constants import COMPRESSOR_EPS, GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
 from dsv4_oracle.reference.indexer_loss import IndexerLoss
 
 from . import torch_backend
 from .api import OPS
 from .checks import (choice, reject_loss_values, reject_nan, reject_negative,
-                     validate_attention_backward,
+                     validate_attention_backward, validate_compressor,
                      validate_attention_forward, validate_indexer_scores,
                      validate_sparse_indexer_loss, validate_sparse_indexer_loss_grad,
                      validate_stable_topk)
 
 __all__ = [
     "BACKEND_NAME", "CudnnBackendUnavailable", "build_csa_indices", "describe",
+    "compressor_backward", "compressor_forward", "compressor_route", "compressor_slot_ape",
+    "indexer_compressor_backward", "indexer_compressor_forward",
     "indexer_scores", "q_rms_norm", "sparse_attention_backward", "sparse_attention_forward",
     "sparse_indexer_loss", "sparse_indexer_loss_grad", "stable_topk", "why_unsupported",
 ]
@@ -78,6 +80,8 @@ INF = math.inf
 CUDNN_GRAD_FLOOR = GRAD_FLOOR          # the indexer backward's CLIP_LOG_MIN = -100
 HALF = (torch.bfloat16, torch.float16)
 NO_KERNEL_OPS = ("build_csa_indices", "q_rms_norm")
+COMPRESSOR_OPS = ("compressor_forward", "compressor_backward", "indexer_compressor_forward",
+                  "indexer_compressor_backward")
 
 
 class CudnnBackendUnavailable(RuntimeError):
@@ -155,6 +159,9 @@ def _route(op: str, args: tuple, kwargs: dict, deterministic: bool):
     if op == "sparse_indexer_loss_grad":
         return _grad_route(arg(0, "q_idx"), arg(2, "weights"), kwargs.get("mode", "clipped"),
                            kwargs.get("grad_floor", GRAD_FLOOR), deterministic)
+    if op in COMPRESSOR_OPS:
+        return compressor_route(arg(0, "kv"), arg(5, "ratio"), kwargs.get("overlap"),
+                                deterministic, op.endswith("backward"))
     return "torch", f"no cuDNN kernel for {op}"
 
 
@@ -661,3 +668,176 @@ def describe(op: str, *args, deterministic: bool = True, **kwargs) -> str:
         return f"unavailable: {reason}"
     route, what = _route(op, args, kwargs, deterministic)
     return f"{route}: {what}"
+
+
+# --------------------------------------------------------------------------------------------
+# sections 13-15: the compressor (pooling by cuDNN on SM100, by Triton on SM90; the RMSNorm,
+# RoPE and Hadamard stages in torch)
+# --------------------------------------------------------------------------------------------
+def _cudnn_compressor():
+    """cuDNN's fused compressor module (``cudnn.csa.compressor``), or ``None``."""
+    try:
+        return importlib.import_module("cudnn.csa.compressor")
+    except Exception:               # missing frontend, CuTe DSL or CUDA libraries
+        return None
+
+
+def cudnn_compressor_deterministic(module) -> bool:
+    """Whether the cuDNN compressor backward takes ``deterministic=`` (a fixed-order ``d_ape``
+    instead of float atomics); without it the backward is refused in deterministic mode."""
+    import inspect
+    fn = getattr(module, "csa_compressor_backward_wrapper", None)
+    try:
+        return fn is not None and "deterministic" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def compressor_route(kv, ratio, overlap, deterministic: bool, backward: bool,
+                     capability=None, cudnn_module=...):
+    """``(route, description)`` of a compressor op (metadata only): ``"cudnn"`` (SM100, cuDNN's
+    fused pooling for ratios 2, 4 and 128, bf16; in deterministic mode a backward only if it
+    takes ``deterministic=``), ``"triton"`` (the pooling kernels of
+    :mod:`gpu_impl.kernels_triton_compressor`: bf16/fp16, a power-of-two slot count), else
+    ``"torch"``. ``capability``/``cudnn_module`` override what is probed (for tests)."""
+    c = 2 if (ratio == 4 if overlap is None else overlap) else 1
+    d = kv.shape[1] // c if kv.shape[1] % c == 0 else 0
+    S = c * ratio
+    if kv.dtype not in HALF:
+        return "torch", f"{kv.dtype} compressor inputs (the pooling kernels take bf16/fp16)"
+    major = (capability or _capability(kv.device))[0]
+    mod = _cudnn_compressor() if cudnn_module is ... else cudnn_module
+    why = None
+    if major < 10:
+        why = f"cuDNN's compressor needs SM100 (this is SM{major}x)"
+    elif mod is None:
+        why = "cuDNN's compressor (cudnn.csa.compressor) is not installed"
+    elif kv.dtype != torch.bfloat16 or ratio not in (2, 4, 128) or (ratio == 128 and d not in (128, 512)):
+        why = f"cuDNN's compressor takes bf16, ratio 2/4/128 (d 128/512 at 128); got {kv.dtype}, r={ratio}, d={d}"
+    elif backward and deterministic and not cudnn_compressor_deterministic(mod):
+        why = "this cuDNN compressor backward sums d_ape with atomics (no deterministic=)"
+    if why is None:
+        return "cudnn", ("cudnn.csa.compressor pooling (deterministic d_ape)" if backward else
+                         "cudnn.csa.compressor pooling") + " + torch RMSNorm/RoPE/Hadamard"
+    if S & (S - 1) == 0 and importlib.util.find_spec("triton") is not None:
+        return "triton", f"Triton pooling (S = {S} slots) + torch RMSNorm/RoPE/Hadamard ({why})"
+    return "torch", f"no pooling kernel: {why}; S = {S} slots"
+
+
+def compressor_slot_ape(ratio: int, coff: int, device) -> torch.Tensor:
+    """The ``[r * c, d]`` row of ``ape`` each of the ``c * r`` slots adds (section 15): slot
+    ``k < r`` row ``k * c``, slot ``r + k`` (the overlap's own tokens) row ``k * c + 1``."""
+    s = torch.arange(coff * ratio)
+    return ((s % ratio) * coff + (s // ratio if coff == 2 else 0)).to(device)
+
+
+def _compressor_setup(a, layout, op):
+    _require_cuda("kv", a.kv)
+    slots = torch_backend._compressor_slots(layout, a.ratio, a.coff, a.kv.device)
+    T = a.kv.shape[0]
+    kv2 = a.kv.reshape(T * a.coff, a.d).contiguous()
+    sc2 = a.score.reshape(T * a.coff, a.d).contiguous()
+    read = slots.element[slots.element >= 0]
+    for name, t in (("kv", kv2), ("score", sc2)):
+        if read.numel() and not bool(torch.isfinite(t.index_select(0, read)).all()):
+            raise ValueError(f"{name} has a non-finite value in an element the compressor reads")
+    return slots, kv2, sc2
+
+
+def _pooled(a, layout, route, slots, kv2, sc2):
+    """float32 pooled rows ``[C, d]`` by cuDNN or Triton."""
+    C = slots.position.numel()
+    if route == "cudnn":
+        fe = _cudnn_compressor()
+        cu = layout.cu_seqlens_padded.to(device=a.kv.device, dtype=torch.int32)
+        cuc = layout.compressed_offsets(a.ratio).to(device=a.kv.device, dtype=torch.int32)
+        with torch.cuda.device(a.kv.device):
+            out = fe.csa_compressor_forward_wrapper(
+                a.kv.contiguous(), a.score.contiguous(), a.ape.to(F32).contiguous(), cu, cuc,
+                ratio=a.ratio, head_dim=a.d, coff=a.coff, total_comp=C)["out"]
+        return out.to(F32)
+    from . import kernels_triton_compressor as K
+    return K.pool_forward(kv2, sc2, a.ape.to(F32).reshape(-1, a.d).contiguous(), slots.element,
+                          compressor_slot_ape(a.ratio, a.coff, a.kv.device))
+
+
+@_no_grad
+def compressor_forward(kv, score, ape, norm_weight, layout, ratio, *, rope, overlap=None,
+                       rotate=False, eps=COMPRESSOR_EPS, chunk_rows=None,
+                       deterministic: bool = True):
+    """Section 15 forward: the pooling by cuDNN (SM100) or Triton (SM90), then
+    :func:`torch_backend.compressor_stages` (each stage stored once in ``kv``'s dtype)."""
+    a = validate_compressor(kv, score, ape, norm_weight, layout, ratio, rope, overlap, rotate,
+                            eps, deterministic)
+    route, _ = compressor_route(a.kv, a.ratio, overlap, a.deterministic, False)
+    if route == "torch":
+        return torch_backend.compressor_forward(kv, score, ape, norm_weight, layout, ratio,
+                                                rope=rope, overlap=overlap, rotate=rotate,
+                                                eps=eps, chunk_rows=chunk_rows,
+                                                deterministic=deterministic)
+    slots, kv2, sc2 = _compressor_setup(a, layout, "compressor_forward")
+    ctil = _pooled(a, layout, route, slots, kv2, sc2)
+    cos, sin = torch_backend._rope_cos_sin(a.rope, slots.position)
+    y = torch_backend.compressor_stages(ctil, a.norm_weight.to(F32), a.eps, cos, sin, a.rotate,
+                                        a.kv)
+    return y.to(a.kv.dtype)
+
+
+@_no_grad
+def compressor_backward(kv, score, ape, norm_weight, layout, ratio, dout, *, rope, overlap=None,
+                        rotate=False, eps=COMPRESSOR_EPS, chunk_rows=None,
+                        deterministic: bool = True):
+    """Section 15 backward: the stages' backward in torch, then the pooling's by cuDNN (SM100,
+    ``deterministic=`` passed through) or the Triton kernel (fixed-order ``d_ape``, no
+    atomics). ``dkv``/``dscore`` in ``kv``'s dtype, float32 ``dape``/``dnorm_weight``."""
+    a = validate_compressor(kv, score, ape, norm_weight, layout, ratio, rope, overlap, rotate,
+                            eps, deterministic, dout)
+    route, _ = compressor_route(a.kv, a.ratio, overlap, a.deterministic, True)
+    if route == "torch":
+        return torch_backend.compressor_backward(kv, score, ape, norm_weight, layout, ratio, dout,
+                                                 rope=rope, overlap=overlap, rotate=rotate,
+                                                 eps=eps, chunk_rows=chunk_rows,
+                                                 deterministic=deterministic)
+    slots, kv2, sc2 = _compressor_setup(a, layout, "compressor_backward")
+    ctil = _pooled(a, layout, route, slots, kv2, sc2)
+    cos, sin = torch_backend._rope_cos_sin(a.rope, slots.position)
+    dctil, dw = torch_backend.compressor_stages_backward(
+        dout.to(F32), torch_backend._store(ctil, a.kv), a.norm_weight.to(F32), a.eps, cos, sin,
+        a.rotate, a.kv)
+    T, c, d = a.kv.shape[0], a.coff, a.d
+    if route == "cudnn":
+        fe = _cudnn_compressor()
+        cu = layout.cu_seqlens_padded.to(device=a.kv.device, dtype=torch.int32)
+        cuc = layout.compressed_offsets(a.ratio).to(device=a.kv.device, dtype=torch.int32)
+        kw = dict(ratio=a.ratio, head_dim=d, coff=c)
+        if cudnn_compressor_deterministic(fe):
+            kw["deterministic"] = a.deterministic
+        with torch.cuda.device(a.kv.device):
+            dkv, dscore, dape = tuple(fe.csa_compressor_backward_wrapper(
+                a.kv.contiguous(), a.score.contiguous(), a.ape.to(F32).contiguous(), cu, cuc,
+                dctil.to(a.kv.dtype).contiguous(), **kw))[:3]
+        return dkv.view(T, c * d), dscore.view(T, c * d), dape.to(F32).view(a.ratio, c * d), dw
+    from . import kernels_triton_compressor as K
+    slot_ape = compressor_slot_ape(a.ratio, c, a.kv.device)
+    dkv2, dsc2, dape_slots = K.pool_backward(kv2, sc2, a.ape.to(F32).reshape(-1, d).contiguous(),
+                                             slots.element, slot_ape, dctil.to(a.kv.dtype))
+    dape = torch.zeros((a.ratio * c, d), dtype=F32, device=a.kv.device)
+    dape.index_copy_(0, slot_ape, dape_slots)
+    return dkv2.view(T, c * d), dsc2.view(T, c * d), dape.view(a.ratio, c * d), dw
+
+
+def indexer_compressor_forward(kv, score, ape, norm_weight, layout, ratio, *, rope, overlap=None,
+                               eps=COMPRESSOR_EPS, chunk_rows=None, deterministic: bool = True):
+    """Section 15, the indexer's compressor (``rotate=True``)."""
+    return compressor_forward(kv, score, ape, norm_weight, layout, ratio, rope=rope,
+                              overlap=overlap, rotate=True, eps=eps, chunk_rows=chunk_rows,
+                              deterministic=deterministic)
+
+
+def indexer_compressor_backward(kv, score, ape, norm_weight, layout, ratio, dout, *, rope,
+                                overlap=None, eps=COMPRESSOR_EPS, chunk_rows=None,
+                                deterministic: bool = True):
+    """Section 15 backward of the indexer's compressor (``rotate=True``)."""
+    return compressor_backward(kv, score, ape, norm_weight, layout, ratio, dout, rope=rope,
+                               overlap=overlap, rotate=True, eps=eps, chunk_rows=chunk_rows,
+                               deterministic=deterministic)

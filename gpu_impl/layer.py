@@ -32,10 +32,11 @@ from typing import NamedTuple
 import torch
 
 from dsv4_oracle.protocol import OPS
+from dsv4_oracle.reference.compressor import CompressorInputs
 from dsv4_oracle.reference.layout import PackedLayout
 
 from . import api
-from .checks import as_int, as_real, choice, float_tensor
+from .checks import as_bool, as_int, as_real, choice, float_tensor
 
 __all__ = ["LayerResult", "csa_layer"]
 
@@ -52,6 +53,8 @@ class LayerResult(NamedTuple):
     index_scores: torch.Tensor | None        # [T, C] float32 (CSA), else None
     indexer_loss: "api.IndexerLossResult | None"  # loss, kl, target, predict, N (CSA)
     backends: dict                    # op name -> backend that ran it (forward ops)
+    kv_cmp: torch.Tensor | None = None      # [C, D] the compressor's keys (raw inputs given)
+    k_idx: torch.Tensor | None = None       # [C, D_I] the indexer compressor's (raw inputs)
 
 
 def _backend_map(backend) -> dict:
@@ -100,6 +103,46 @@ class _SparseAttention(torch.autograd.Function):
         return (bwd.dq, bwd.dkv.to(kv_all.dtype), bwd.dsink.to(sink.dtype), None, None, None)
 
 
+class _Compress(torch.autograd.Function):
+    """``kv_cmp = compressor(kv, score, ape, norm_weight)`` (section 15; ``cfg["rotate"]``: the
+    indexer's compressor), differentiable into its four inputs."""
+
+    @staticmethod
+    def forward(ctx, kv, score, ape, norm_weight, cfg):
+        op = "indexer_compressor" if cfg["rotate"] else "compressor"
+        res = getattr(api, f"{op}_forward")(
+            kv, score, ape, norm_weight, cfg["layout"], cfg["ratio"], rope=cfg["rope"],
+            backend=cfg["backends"][f"{op}_forward"], deterministic=cfg["deterministic"])
+        cfg["ran"][f"{op}_forward"] = res.backend
+        ctx.save_for_backward(kv, score, ape, norm_weight)
+        ctx.cfg = cfg
+        return res.kv_cmp
+
+    @staticmethod
+    def backward(ctx, dout):
+        kv, score, ape, norm_weight = ctx.saved_tensors
+        cfg = ctx.cfg
+        op = "indexer_compressor" if cfg["rotate"] else "compressor"
+        g = getattr(api, f"{op}_backward")(
+            kv, score, ape, norm_weight, cfg["layout"], cfg["ratio"],
+            dout.to(kv.dtype).contiguous(), rope=cfg["rope"],
+            backend=cfg["backends"][f"{op}_backward"], deterministic=cfg["deterministic"])
+        return (g.dkv, g.dscore, g.dape.to(ape.dtype), g.dnorm_weight.to(norm_weight.dtype),
+                None)
+
+
+def _compressed(inputs, name, layout, ratio, rope, rotate, backends, deterministic, ran):
+    """The compressor's output (section 15) from ``inputs`` (a ``CompressorInputs``)."""
+    if not isinstance(inputs, CompressorInputs):
+        raise TypeError(f"{name} must be a reference.CompressorInputs, got "
+                        f"{type(inputs).__name__}")
+    if rope is None:
+        raise ValueError(f"rope is required with {name} (contract section 13)")
+    cfg = dict(layout=layout, ratio=ratio, rope=rope, rotate=rotate, backends=backends,
+               deterministic=deterministic, ran=ran)
+    return _Compress.apply(*inputs, cfg)
+
+
 class _IndexerLoss(torch.autograd.Function):
     """``loss`` as a function of the indexer inputs only (the teacher is detached)."""
 
@@ -125,7 +168,8 @@ class _IndexerLoss(torch.autograd.Function):
 def csa_layer(q, kv, sink, layout, *, window, ratio, kv_cmp=None, q_idx=None, k_idx=None,
               weights=None, topk=None, coeff=0.0, scale=None, index_scale=None, v_dim=None,
               order="id", align=None, num_real=None, grad_mode="clipped", backend="auto",
-              deterministic=True) -> LayerResult:
+              deterministic=True, compressor=None, index_compressor=None,
+              rope=None) -> LayerResult:
     """One packed DSv4 attention layer; see the module docstring for the data flow.
 
     ``q [T,H,D]``, ``kv [T,D]`` (raw keys/values), ``sink [H]`` (float32), ``layout``
@@ -134,6 +178,12 @@ def csa_layer(q, kv, sink, layout, *, window, ratio, kv_cmp=None, q_idx=None, k_
     ``weights [T,H_I]``, ``topk`` and the loss ``coeff`` (``num_real``: the global ``N`` of
     section 8, default ``layout.num_real``; pass the CP-global count under CP). ``order`` and
     ``align`` are the Top-K policies of section 4; ``grad_mode`` the section 8 gradient form.
+
+    From raw tokens (sections 13-15): ``compressor`` (a :class:`reference.CompressorInputs`:
+    ``kv``, ``score [T, c*D]``, ``ape [r, c*D]``, ``norm_weight [D]``) and ``rope`` (a
+    :class:`reference.RopeSpec` or a ``(cos, sin)`` table) instead of ``kv_cmp``, and for a
+    CSA layer ``index_compressor`` instead of ``k_idx``; the result's ``kv_cmp`` and ``k_idx``
+    are the compressors' outputs that the attention and the indexer read.
     """
     if not isinstance(layout, PackedLayout):
         raise TypeError(f"layout must be a reference.PackedLayout, got {type(layout).__name__}")
@@ -146,6 +196,19 @@ def csa_layer(q, kv, sink, layout, *, window, ratio, kv_cmp=None, q_idx=None, k_
         raise ValueError("window=0 needs compressed keys (ratio > 0): a window-only layer "
                          "(ratio 0) needs window >= 1")
     backends = _backend_map(backend)
+    deterministic = as_bool(deterministic, "deterministic")
+    ran: dict = {}
+    for given, raw, name in ((kv_cmp, compressor, "kv_cmp"), (k_idx, index_compressor, "k_idx")):
+        if given is not None and raw is not None:
+            raise ValueError(f"give {name} or its compressor inputs, not both")
+    if (compressor is not None or index_compressor is not None) and ratio == 0:
+        raise ValueError("a window-only layer (ratio 0) has no compressor")
+    if compressor is not None:
+        kv_cmp = _compressed(compressor, "compressor", layout, ratio, rope, False, backends,
+                             deterministic, ran)
+    if index_compressor is not None:
+        k_idx = _compressed(index_compressor, "index_compressor", layout, ratio, rope, True,
+                            backends, deterministic, ran)
     grad_mode = choice(grad_mode, "grad_mode", ("clipped", "autograd"))
     indexer = [x is not None for x in (q_idx, k_idx, weights)]
     if any(indexer) and not all(indexer):
@@ -174,7 +237,6 @@ def csa_layer(q, kv, sink, layout, *, window, ratio, kv_cmp=None, q_idx=None, k_
                          "(one raw key row per packed row, contract section 2)")
     n_real = layout.num_real if num_real is None else as_int(num_real, "num_real", minimum=1)
     dev = q.device
-    ran: dict = {}
 
     scores = cmp_ids = cmp_len = res = None
     if is_csa:
@@ -206,4 +268,5 @@ def csa_layer(q, kv, sink, layout, *, window, ratio, kv_cmp=None, q_idx=None, k_
     else:
         loss = torch.zeros((), dtype=torch.float32, device=dev)
     return LayerResult(out, loss, lse, rows.ids, rows.lengths, cmp_ids, cmp_len, scores, res,
-                       dict(ran))
+                       dict(ran), kv_cmp if compressor is not None else None,
+                       k_idx if index_compressor is not None else None)

@@ -36,23 +36,26 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
-from dsv4_oracle.reference.constants import GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
+from dsv4_oracle.reference.constants import COMPRESSOR_EPS, GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
 from dsv4_oracle.reference.indexer_loss import IndexerLoss
 from dsv4_oracle.reference.qnorm import row_scale
 from dsv4_oracle.reference.layout import PackedLayout
 
 from .checks import (as_bool, as_int, as_real, check_dim, check_layout, choice, float_tensor,
                      head_dim, index_tensor, reject_loss_values, reject_nan, reject_negative,
-                     same_device, validate_attention_backward,
+                     same_device, validate_attention_backward, validate_compressor,
                      validate_attention_forward, validate_indexer_scores,
                      validate_sparse_indexer_loss, validate_sparse_indexer_loss_grad,
                      validate_stable_topk)
 
 __all__ = [
     "BACKEND_NAME", "IndexerLoss", "SCATTER_METHODS", "build_csa_indices",
+    "compressor_backward", "compressor_forward", "indexer_compressor_backward",
+    "indexer_compressor_forward",
     "fixed_order_scatter_add",
     "indexer_scores", "q_rms_norm", "sparse_attention_backward", "sparse_attention_forward",
     "sparse_indexer_loss", "sparse_indexer_loss_grad", "stable_topk",
@@ -617,3 +620,219 @@ def q_rms_norm(q, eps: float = QNORM_EPS, *, deterministic: bool = True):
     denom = ms + (eps / s.to(torch.float64).square()).to(F32)
     inv = torch.rsqrt(denom.to(torch.float64)).to(F32)
     return (x32 * inv).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# sections 13-15: the compressor (RoPE, the Hadamard rotation)
+# --------------------------------------------------------------------------------------------
+class _Slots(NamedTuple):
+    """Per group (compressed-row order): the ``[T * c, d]`` element each slot reads (``-1``:
+    invalid), the ``[r * c, d]`` row of ``ape`` it adds, and the RoPE position ``g * r``."""
+
+    element: torch.Tensor      # [C, S] int64
+    ape_row: torch.Tensor      # [C, S] int64
+    position: torch.Tensor     # [C] int64
+
+
+def _compressor_slots(layout: PackedLayout, ratio: int, c: int, dev) -> _Slots:
+    """Section 15's groups over each document's padded length and the slots they read: with
+    the overlap (``c = 2``) the previous group's tokens (channels ``[0, d)``, invalid at a
+    document start) then the group's own (channels ``[d, 2d)``); else the own tokens."""
+    counts = layout.doc_padded_lengths // ratio
+    cu_pad = layout.cu_seqlens_padded
+    doc = torch.repeat_interleave(torch.arange(layout.num_docs), counts)
+    first = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])[doc]
+    g = torch.arange(doc.numel()) - first
+    doc_start = cu_pad[doc].unsqueeze(1)
+    k = torch.arange(ratio).unsqueeze(0)
+    own = doc_start + g.unsqueeze(1) * ratio + k                      # token rows [C, r]
+    if c == 2:
+        prev = own - ratio
+        prev = torch.where((g > 0).unsqueeze(1), prev, torch.full_like(prev, -1))
+        tok = torch.cat([prev, own], dim=1)
+        half = torch.cat([torch.zeros_like(k), torch.ones_like(k)], dim=1)
+    else:
+        tok, half = own, torch.zeros_like(own)
+    valid = tok >= 0
+    element = torch.where(valid, tok * c + half, torch.full_like(tok, -1))
+    ape_row = ((tok - doc_start) % ratio) * c + half
+    return _Slots(element.to(dev), ape_row.to(dev), (g * ratio).to(dev))
+
+
+def _rope_cos_sin(rope, position: torch.Tensor):
+    """float32 ``(cos, sin)`` ``[n, dim/2]`` at ``position`` (section 13): from the parameters
+    in float32 (as the kernels compute them), or read from a ``(cos, sin)`` table."""
+    if isinstance(rope, torch.Tensor):
+        rows = rope.to(device=position.device, dtype=F32).index_select(0, position)
+        return rows[:, :, 0], rows[:, :, 1]
+    dev = position.device
+    i = torch.arange(rope.dim // 2, dtype=F32, device=dev)
+    f = torch.pow(torch.tensor(float(rope.base), dtype=F32, device=dev), -2.0 * i / rope.dim)
+    if rope.original_seq_len > 0:
+        def corr(b):
+            return rope.dim * math.log(rope.original_seq_len / (b * 2 * math.pi)) / \
+                (2 * math.log(rope.base))
+        low = max(math.floor(corr(rope.beta_fast)), 0)
+        high = min(math.ceil(corr(rope.beta_slow)), rope.dim - 1)
+        high = high + 0.001 if high == low else high
+        smooth = 1 - torch.clamp((i - low) / (high - low), 0, 1)
+        f = f / rope.factor * (1 - smooth) + f * smooth
+    theta = position.to(F32).unsqueeze(1) * f.unsqueeze(0)
+    return torch.cos(theta), torch.sin(theta)
+
+
+def _rope32(x: torch.Tensor, cos, sin, inverse: bool = False) -> torch.Tensor:
+    """Interleaved-pair rotation of the last ``dim`` channels of float32 rows (section 13)."""
+    n, d = x.shape
+    dim = 2 * cos.shape[1]
+    if inverse:
+        sin = -sin
+    tail = x[:, d - dim:]
+    a, b = tail[:, 0::2], tail[:, 1::2]
+    y = x.clone()
+    y[:, d - dim:] = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=2).reshape(n, dim)
+    return y
+
+
+def _hadamard32(x: torch.Tensor) -> torch.Tensor:
+    """The normalised Walsh-Hadamard rotation of float32 rows (section 14): butterflies, then
+    the scale ``d ** -0.5``."""
+    n, d = x.shape
+    y, h = x, 1
+    while h < d:
+        v = y.view(n, d // (2 * h), 2, h)
+        y = torch.stack([v[:, :, 0] + v[:, :, 1], v[:, :, 0] - v[:, :, 1]], dim=2).reshape(n, d)
+        h *= 2
+    return y * d ** -0.5
+
+
+def _store(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A stage's float32 result stored once in the operand dtype of ``like`` (and read back)."""
+    return x.to(like.dtype).to(F32)
+
+
+def _compressor_pool(a, slots: _Slots, g0: int, g1: int):
+    """Pooling of groups ``[g0, g1)`` in float32: values ``v [G, S, d]``, weights ``alpha``,
+    pooled ``ctil [G, d]``, validity ``[G, S]``; a non-finite element read raises."""
+    T = a.kv.shape[0]
+    el = slots.element[g0:g1]
+    valid = el >= 0
+    safe = torch.where(valid, el, torch.full_like(el, T * a.coff))       # the zero row
+    G, S = el.shape
+    kv_z = _with_zero_row(a.kv.reshape(T * a.coff, a.d))
+    sc_z = _with_zero_row(a.score.reshape(T * a.coff, a.d))
+    v = _gather_rows(kv_z, safe).to(F32)
+    z = _gather_rows(sc_z, safe).to(F32) + a.ape.to(F32).reshape(-1, a.d)[slots.ape_row[g0:g1]]
+    for name, t in (("kv", v), ("score", z)):
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} has a non-finite value in an element the compressor reads")
+    z = z.masked_fill(~valid.unsqueeze(-1), -INF)
+    alpha = torch.softmax(z, dim=1)
+    return v, alpha, (alpha * v).sum(dim=1), valid
+
+
+def compressor_stages(ctil, norm_weight, eps, cos, sin, rotate, like):
+    """Section 15 after the pooling, for float32 pooled rows ``ctil [G, d]``: stored once in
+    the dtype of ``like``, RMSNorm (stored), RoPE (stored), the Hadamard rotation (``rotate``);
+    float32 result, to be stored by the caller."""
+    ctil = _store(ctil, like)
+    n = _store(norm_weight * ctil * torch.rsqrt(ctil.square().mean(dim=-1, keepdim=True) + eps),
+               like)
+    y = _store(_rope32(n, cos, sin), like)
+    if rotate:
+        y = _hadamard32(y)
+    return y
+
+
+def compressor_stages_backward(g, ctil, norm_weight, eps, cos, sin, rotate, like):
+    """The backward of :func:`compressor_stages` for the upstream ``g [G, d]`` (float32) and the
+    stored pooled rows ``ctil``: ``(dctil [G, d], dnorm_weight terms summed over the G rows)``,
+    each stage's result stored once in the dtype of ``like``."""
+    if rotate:
+        g = _store(_hadamard32(g), like)
+    dn = _store(_rope32(g, cos, sin, inverse=True), like)
+    s = torch.rsqrt(ctil.square().mean(dim=-1, keepdim=True) + eps)
+    mean = (norm_weight * dn * ctil).mean(dim=-1, keepdim=True)
+    dctil = _store(s * norm_weight * dn - ctil * s ** 3 * mean, like)
+    return dctil, (dn * ctil * s).sum(dim=0)
+
+
+@_op
+def compressor_forward(kv, score, ape, norm_weight, layout, ratio, *, rope, overlap=None,
+                       rotate=False, eps=COMPRESSOR_EPS, chunk_rows=None,
+                       deterministic: bool = True):
+    """Contract section 15 forward in working precision: float32 softmax, sums, statistics and
+    rotations; every stage (pooled row, normalised row, RoPE, Hadamard) stored once in ``kv``'s
+    dtype. Returns ``kv_cmp [C, d]`` in ``kv``'s dtype (``rotate``: the indexer's ``k_idx``)."""
+    a = validate_compressor(kv, score, ape, norm_weight, layout, ratio, rope, overlap, rotate,
+                            eps, deterministic)
+    slots = _compressor_slots(layout, a.ratio, a.coff, a.device)
+    C = slots.position.numel()
+    out = torch.empty((C, a.d), dtype=a.kv.dtype, device=a.device)
+    w = a.norm_weight.to(F32)
+    step = _rows_per_chunk(chunk_rows, slots.element.shape[1] * a.d * 4 * 4, a.device)
+    for g0 in range(0, C, step):
+        g1 = min(g0 + step, C)
+        _, _, ctil, _ = _compressor_pool(a, slots, g0, g1)
+        cos, sin = _rope_cos_sin(a.rope, slots.position[g0:g1])
+        y = compressor_stages(ctil, w, a.eps, cos, sin, a.rotate, a.kv)
+        out[g0:g1] = y.to(a.kv.dtype)
+    return out
+
+
+@_op
+def compressor_backward(kv, score, ape, norm_weight, layout, ratio, dout, *, rope, overlap=None,
+                        rotate=False, eps=COMPRESSOR_EPS, chunk_rows=None,
+                        deterministic: bool = True):
+    """Contract section 15 backward in working precision (the stages of the forward in reverse,
+    each stored once in ``kv``'s dtype). Returns ``(dkv, dscore)`` in ``kv``'s dtype (exact
+    zeros on unread elements: every element is written by at most one slot, ``index_copy_``)
+    and float32 ``(dape, dnorm_weight)``: ``dape`` through :func:`fixed_order_scatter_add`
+    (``deterministic=False``: ``index_add_``, float atomics on CUDA), ``dnorm_weight`` a sum per
+    chunk (one reduction of fixed shape) added chunk by chunk."""
+    a = validate_compressor(kv, score, ape, norm_weight, layout, ratio, rope, overlap, rotate,
+                            eps, deterministic, dout)
+    slots = _compressor_slots(layout, a.ratio, a.coff, a.device)
+    C, S = slots.element.shape
+    T, c, d = a.kv.shape[0], a.coff, a.d
+    w = a.norm_weight.to(F32)
+    dkv = torch.zeros((T * c, d), dtype=a.kv.dtype, device=a.device)
+    dscore = torch.zeros((T * c, d), dtype=a.kv.dtype, device=a.device)
+    dape = torch.zeros((a.ratio * c, d), dtype=F32, device=a.device)
+    dweight = torch.zeros(d, dtype=F32, device=a.device)
+    step = _rows_per_chunk(chunk_rows, S * d * 4 * 8, a.device)
+    for g0 in range(0, C, step):
+        g1 = min(g0 + step, C)
+        v, alpha, ctil32, valid = _compressor_pool(a, slots, g0, g1)
+        cos, sin = _rope_cos_sin(a.rope, slots.position[g0:g1])
+        dctil, dw = compressor_stages_backward(dout[g0:g1].to(F32), _store(ctil32, a.kv), w,
+                                               a.eps, cos, sin, a.rotate, a.kv)
+        dctil = dctil.unsqueeze(1)
+        dv = alpha * dctil
+        dz = (alpha * (v - ctil32.unsqueeze(1)) * dctil).masked_fill(~valid.unsqueeze(-1), 0.0)
+        rows = slots.element[g0:g1][valid]
+        dkv.index_copy_(0, rows, dv[valid].to(a.kv.dtype))
+        dscore.index_copy_(0, rows, dz[valid].to(a.kv.dtype))
+        fixed_order_scatter_add(dape, slots.ape_row[g0:g1].reshape(-1), dz.reshape(-1, d),
+                                deterministic=a.deterministic)
+        dweight += dw
+    return (dkv.view(T, c * d), dscore.view(T, c * d), dape.view(a.ratio, c * d), dweight)
+
+
+@_op
+def indexer_compressor_forward(kv, score, ape, norm_weight, layout, ratio, *, rope, overlap=None,
+                               eps=COMPRESSOR_EPS, chunk_rows=None, deterministic: bool = True):
+    """Section 15, the indexer's compressor: :func:`compressor_forward` with ``rotate=True``."""
+    return compressor_forward(kv, score, ape, norm_weight, layout, ratio, rope=rope,
+                              overlap=overlap, rotate=True, eps=eps, chunk_rows=chunk_rows,
+                              deterministic=deterministic)
+
+
+@_op
+def indexer_compressor_backward(kv, score, ape, norm_weight, layout, ratio, dout, *, rope,
+                                overlap=None, eps=COMPRESSOR_EPS, chunk_rows=None,
+                                deterministic: bool = True):
+    """Section 15 backward of the indexer's compressor (``rotate=True``)."""
+    return compressor_backward(kv, score, ape, norm_weight, layout, ratio, dout, rope=rope,
+                               overlap=overlap, rotate=True, eps=eps, chunk_rows=chunk_rows,
+                               deterministic=deterministic)

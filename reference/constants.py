@@ -21,6 +21,10 @@ name                   value               meaning (contract section)
                                            7, 8; chunking never changes a bit, section 10)
 ``BOUND_CHUNK_BYTES``  ``2**28``           the error model's temporaries per row chunk
                                            (section 12)
+``ROPE_DIM``           ``64``              channels rotated by RoPE, the last of a row (13)
+``ROPE_BETA_FAST``     ``32``              YaRN's fast correction bound (section 13)
+``ROPE_BETA_SLOW``     ``1``               YaRN's slow correction bound (section 13)
+``COMPRESSOR_EPS``     ``1e-6``            the compressor's RMSNorm ``eps`` (section 15)
 =====================  ==================  ======================================================
 """
 from __future__ import annotations
@@ -28,7 +32,8 @@ from __future__ import annotations
 import math
 
 __all__ = ["FLT_MIN", "LOSS_FLOOR", "GRAD_FLOOR", "QNORM_EPS", "LARGE_SINK",
-           "SLOT_MULTIPLE", "CHUNK_BYTES", "BOUND_CHUNK_BYTES"]
+           "SLOT_MULTIPLE", "CHUNK_BYTES", "BOUND_CHUNK_BYTES", "ROPE_DIM", "ROPE_BETA_FAST",
+           "ROPE_BETA_SLOW", "COMPRESSOR_EPS"]
 
 # section 8, policy "clip": the loss floor f and the gradient floor e
 FLT_MIN = 2.0 ** -126
@@ -47,3 +52,11 @@ LARGE_SINK = 2.4e38
 SLOT_MULTIPLE = 64
 CHUNK_BYTES = 1 << 25
 BOUND_CHUNK_BYTES = 1 << 28
+
+# section 13: DSv4 rotates the last 64 channels; YaRN's correction bounds
+ROPE_DIM = 64
+ROPE_BETA_FAST = 32.0
+ROPE_BETA_SLOW = 1.0
+
+# section 15: the compressor's RMSNorm eps
+COMPRESSOR_EPS = 1e-6

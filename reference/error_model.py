@@ -45,7 +45,7 @@ from ._checks import chunk_rows as rows_per_chunk
 from .attention import _inputs as _attention_inputs
 from .attention import valid_slots
 from .indexer import _inputs as _indexer_inputs
-from .constants import GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
+from .constants import COMPRESSOR_EPS, GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
 from .indexer_loss import (LOG_SOFTMAX_TEACHER_FLOOR, IndexerLoss, _loss_grad_inputs,
                            _loss_grad_options, _loss_inputs, _row_gs, head_normalisers, teacher_rows)
 from .layout import PackedLayout
@@ -60,6 +60,8 @@ __all__ = [
     "indexer_loss_bound",
     "indexer_loss_grad_bound",
     "q_rms_norm_bound",
+    "compressor_forward_bound",
+    "compressor_backward_bound",
 ]
 
 F64 = torch.float64
@@ -678,3 +680,208 @@ def q_rms_norm_bound(q, q_out, *, precision, eps: float = QNORM_EPS) -> torch.Te
     as_real(eps, "eps", positive=True)
     D = x.shape[-1]
     return y.abs() * (u.a * ((D + 2) / 2 + 4) + u.o) + u.eo
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections 13-15: the compressor (RoPE, the Hadamard rotation)
+# ---------------------------------------------------------------------------------------------
+# Roundings in an angle p * f_i computed from the RoPE parameters (section 13): the power
+# (2), the YaRN blend (4) and the product with the position (1); cos and sin add 2 each.
+ROPE_ANGLE_ROUNDINGS = 7
+
+
+class _Stage(NamedTuple):
+    """A value and its absolute error bound (float64, same shape)."""
+
+    x: torch.Tensor
+    e: torch.Tensor
+
+
+def _pool_bound(a, gids, u: _Units):
+    """Pooling (section 15) of the groups ``gids``: ``(v, alpha, rel_alpha, ctil, E_ctil)``;
+    ``E_ctil`` includes the store of ``ctil`` in ``io``."""
+    from .compressor import _pool
+    v, alpha, ctil, valid = _pool(a, gids)
+    el = a.grp.element.index_select(0, gids)
+    safe = torch.where(valid, el, torch.zeros_like(el)).reshape(-1)
+    G, S = el.shape
+    z = a.score.index_select(0, safe).view(G, S, a.d) + a.ape.index_select(0, a.grp.ape_row)
+    vm = valid.unsqueeze(-1)
+    z = z.masked_fill(~vm, 0.0)
+    m = torch.where(vm, z, torch.full_like(z, -INF)).amax(dim=1, keepdim=True)
+    rho_e = u.a * (z.abs() + (z - m).abs() + 2)                    # z, z - m, exp
+    rho_e = rho_e.masked_fill(~vm, 0.0)
+    rho_alpha = rho_e + rho_e.amax(dim=1, keepdim=True) + (S + 1) * u.a
+    av = (alpha * v).abs()
+    e_c = (av * (rho_alpha + (S + 1) * u.a)).sum(dim=1) + u.o * ctil.abs() + u.eo
+    return v, alpha, rho_alpha.masked_fill(~vm, 0.0), ctil, e_c
+
+
+def _norm_bound(ctil, e_c, w, eps, u: _Units):
+    """RMSNorm (section 15): ``(n, E_n, s, rho_s)``, ``n`` stored once in ``io``."""
+    d = ctil.shape[-1]
+    m = ctil.square().mean(dim=-1, keepdim=True) + eps
+    dm = 2.0 / d * (ctil.abs() * e_c).sum(dim=-1, keepdim=True) + (d + 3) * u.a * m
+    rho_s = 0.5 * dm / m + 2 * u.a
+    s = torch.rsqrt(m)
+    n = w * ctil * s
+    e_n = w.abs() * s * e_c + n.abs() * (rho_s + 2 * u.a) + u.o * n.abs() + u.eo
+    return n, e_n, s, rho_s
+
+
+def _rope_bound(x, e_x, positions, rope, u: _Units, *, inverse=False) -> _Stage:
+    """RoPE (section 13) of ``x [G, d]`` with input error ``e_x``: the rotated rows and their
+    bound; the rotated channels are stored once in ``io``, the others pass unchanged."""
+    from .rope import rope_cos_sin, rope_frequencies, rope_rotate
+    y = rope_rotate(x, positions, rope, inverse=inverse)
+    cos, sin, dim = rope_cos_sin(rope, positions)
+    if isinstance(rope, torch.Tensor):
+        e_cs = torch.zeros_like(cos)                       # a table is consumed as given
+    else:
+        theta = positions.to(F64).unsqueeze(1) * rope_frequencies(rope).unsqueeze(0)
+        e_cs = u.a * (ROPE_ANGLE_ROUNDINGS * theta.abs() + 2)
+    G, d = x.shape
+    o = d - dim
+    pa, pb = x[:, o::2], x[:, o + 1::2]
+    ea, eb = e_x[:, o::2], e_x[:, o + 1::2]
+    ca, sa = cos.abs(), sin.abs()
+    common = (pa.abs() + pb.abs()) * e_cs + 2 * u.a * (pa.abs() * ca + pb.abs() * sa)
+    common2 = (pa.abs() + pb.abs()) * e_cs + 2 * u.a * (pa.abs() * sa + pb.abs() * ca)
+    e_y = e_x.clone()
+    e_y[:, o::2] = ea * ca + eb * sa + common + u.o * y[:, o::2].abs() + u.eo
+    e_y[:, o + 1::2] = ea * sa + eb * ca + common2 + u.o * y[:, o + 1::2].abs() + u.eo
+    return _Stage(y, e_y)
+
+
+def _hadamard_bound(x, e_x, u: _Units) -> _Stage:
+    """The Hadamard rotation (section 14): a sum of ``d`` terms per output and the scale, the
+    result stored once in ``io``."""
+    from .hadamard import hadamard
+    d = x.shape[-1]
+    y = hadamard(x)
+    k = d ** -0.5
+    e_y = k * e_x.sum(dim=-1, keepdim=True) + u.a * (d + 1) * k * x.abs().sum(dim=-1, keepdim=True) \
+        + u.o * y.abs() + u.eo
+    return _Stage(y, e_y)
+
+
+def _compressor_args(kv, score, ape, norm_weight, layout, ratio, rope, overlap, rotate, eps):
+    from .compressor import _inputs
+    return _inputs(kv, score, ape, norm_weight, layout, ratio, rope, overlap, rotate, eps, None)
+
+
+def compressor_forward_bound(kv, score, ape, norm_weight, layout, ratio, out, *, rope, precision,
+                             overlap=None, rotate=False, eps=COMPRESSOR_EPS, chunk_rows=None):
+    """Section 12 bound for the section 15 forward (``out``: the oracle's ``kv_cmp`` or ``k_idx``
+    on the same inputs): ``[C, d]``. Stage by stage (``docs/ERROR_MODEL.md``), each stage's
+    result stored once in ``io``:
+
+    - pooling: ``z = score + ape`` (``u_a |z|``), ``exp(z - m)`` (``u_a (|z - m| + 2)``), the
+      sum of ``S`` slots and the division: ``rel_alpha_k = rho_e_k + max rho_e + (S+1) u_a``;
+      ``E_ctil = sum_k |alpha_k v_k| (rel_alpha_k + (S+1) u_a) + u_o |ctil| + eta_o``;
+    - RMSNorm: ``dm = (2/d) sum |ctil| E_ctil + (d+3) u_a m``, ``rho_s = dm / (2m) + 2 u_a``,
+      ``E_n = |w| s E_ctil + |n| (rho_s + 2 u_a + u_o) + eta_o``;
+    - RoPE on pairs ``(a, b)``: ``E_a |cos| + E_b |sin| + (|a| + |b|) e_cs + 2 u_a (|a cos| +
+      |b sin|) + u_o |y| + eta_o``, ``e_cs = u_a (7 |p f_i| + 2)`` from the parameters, 0 from a
+      table;
+    - Hadamard: ``d^-1/2 sum_j E_j + (d+1) u_a d^-1/2 sum_j |x_j| + u_o |y| + eta_o``.
+    """
+    u = _units(precision)
+    a = _compressor_args(kv, score, ape, norm_weight, layout, ratio, rope, overlap, rotate, eps)
+    C = a.groups.numel()
+    out = as_float64(out, "out", ndim=2)
+    _same_shape(out, "out", (C, a.d))
+    bound = torch.zeros_like(out)
+    step = rows_per_chunk(chunk_rows, 8 * a.grp.element.shape[1] * a.d * 12)
+    for i in range(0, C, step):
+        gids = a.groups[i:i + step]
+        _, _, _, ctil, e_c = _pool_bound(a, gids, u)
+        n, e_n, _, _ = _norm_bound(ctil, e_c, a.weight, a.eps, u)
+        st = _rope_bound(n, e_n, a.grp.position.index_select(0, gids), a.rope, u)
+        if a.rotate:
+            st = _hadamard_bound(st.x, st.e, u)
+        bound[i:i + step] = st.e
+    return bound
+
+
+def compressor_backward_bound(kv, score, ape, norm_weight, layout, ratio, dout, grads, *, rope,
+                              precision, overlap=None, rotate=False, eps=COMPRESSOR_EPS,
+                              chunk_rows=None):
+    """Section 12 bound for the section 15 backward: ``(bound_dkv, bound_dscore, bound_dape,
+    bound_dnorm_weight)`` for ``grads``, the oracle's :func:`compressor_backward` on the same
+    inputs and the consumed upstream ``dout``. The stages of the forward in reverse, each
+    stored once in ``io``: ``H dout`` (indexer), ``RoPE^-1``, the RMSNorm backward
+    ``dctil = s w dn - ctil s^3 A`` (``A = mean(w dn ctil)``; errors of ``dn``, of the
+    recomputed ``ctil`` (the forward's ``E_ctil``) and ``s``, and ``(d+1) u_a`` for ``A``),
+    then ``dkv = alpha dctil`` and ``dscore = alpha (v - ctil) dctil`` (``rel_alpha`` of the
+    forward), stored in ``io``; ``dape`` (the fold of the unstored ``dscore`` terms over ``n``
+    groups: ``sum E + n u_a sum |dscore|``) and ``dnorm_weight`` (``sum_g dn ctil s``) are
+    stored in ``stats``. Unread elements: bound 0 (exact zeros)."""
+    u = _units(precision)
+    a = _compressor_args(kv, score, ape, norm_weight, layout, ratio, rope, overlap, rotate, eps)
+    C, d, c, T = a.groups.numel(), a.d, a.grp.coff, a.T
+    S = a.grp.element.shape[1]
+    dout = as_float64(dout, "dout", ndim=2)
+    _same_shape(dout, "dout", (C, d))
+    g_kv, g_sc, g_ape, g_w = (as_float64(t, n) for t, n in zip(
+        grads, ("dkv", "dscore", "dape", "dnorm_weight")))
+    _same_shape(g_kv, "dkv", (T, c * d))
+    _same_shape(g_sc, "dscore", (T, c * d))
+    _same_shape(g_ape, "dape", (a.ape.shape[0] // c, c * d))
+    _same_shape(g_w, "dnorm_weight", (d,))
+    b_kv = torch.zeros((T * c, d), dtype=F64)
+    b_sc = torch.zeros((T * c, d), dtype=F64)
+    e_ape = torch.zeros((S, d), dtype=F64)
+    m_ape = torch.zeros((S, d), dtype=F64)
+    e_w = torch.zeros(d, dtype=F64)
+    m_w = torch.zeros(d, dtype=F64)
+    step = rows_per_chunk(chunk_rows, 8 * S * d * 16)
+    for i in range(0, C, step):
+        gids = a.groups[i:i + step]
+        pos = a.grp.position.index_select(0, gids)
+        v, alpha, rho_alpha, ctil, e_c = _pool_bound(a, gids, u)
+        _, _, s, rho_s = _norm_bound(ctil, e_c, a.weight, a.eps, u)
+        g = dout[i:i + step]
+        e_g = torch.zeros_like(g)
+        if a.rotate:
+            g, e_g = _hadamard_bound(g, e_g, u)
+        dn, e_dn = _rope_bound(g, e_g, pos, a.rope, u, inverse=True)
+        w = a.weight
+        wdn = w * dn
+        A = (wdn * ctil).mean(dim=-1, keepdim=True)
+        am = (wdn * ctil).abs().mean(dim=-1, keepdim=True)
+        s3 = s ** 3
+        p1 = s * wdn.abs()
+        p2 = ctil.abs() * s3 * A.abs()
+        dctil = s * wdn - ctil * s3 * A
+        e_dc = (s * w.abs() * e_dn + ctil.abs() * s3 * (w.abs() * ctil.abs() * e_dn).mean(-1, True)
+                + rho_s * (p1 + 3 * p2) + e_c * s3 * A.abs()
+                + ctil.abs() * s3 * (wdn.abs() * e_c).mean(-1, True)
+                + ctil.abs() * s3 * (d + 1) * u.a * am + u.a * (3 * p1 + 5 * p2)
+                + u.o * dctil.abs() + u.eo)
+        dcu, edu = dctil.unsqueeze(1), e_dc.unsqueeze(1)
+        dv = alpha * dcu
+        e_dv = alpha * edu + dv.abs() * (rho_alpha + u.a) + u.o * dv.abs() + u.eo
+        diff = v - ctil.unsqueeze(1)
+        dz = alpha * diff * dcu
+        e_dz = (alpha * diff.abs() * edu
+                + dcu.abs() * (rho_alpha * alpha * diff.abs() + alpha * e_c.unsqueeze(1))
+                + 2 * u.a * dz.abs())
+        el = a.grp.element.index_select(0, gids)
+        valid = el >= 0
+        rows = el[valid]
+        b_kv.index_copy_(0, rows, e_dv[valid])
+        b_sc.index_copy_(0, rows, (e_dz + u.o * dz.abs() + u.eo)[valid])
+        e_dz = e_dz.masked_fill(~valid.unsqueeze(-1), 0.0)
+        e_ape += e_dz.sum(dim=0)
+        m_ape += dz.abs().sum(dim=0)
+        cs = ctil * s
+        e_w += (e_dn * cs.abs() + dn.abs() * (e_c * s + ctil.abs() * s * rho_s)
+                + 2 * u.a * (dn * cs).abs()).sum(dim=0)
+        m_w += (dn * cs).abs().sum(dim=0)
+    b_ape_slots = e_ape + u.a * C * m_ape
+    b_ape = torch.zeros((a.ape.shape[0], d), dtype=F64)
+    b_ape.index_copy_(0, a.grp.ape_row, b_ape_slots)
+    b_ape = b_ape.view(a.ape.shape[0] // c, c * d) + u.s * g_ape.abs() + u.es
+    b_w = e_w + u.a * C * m_w + u.s * g_w.abs() + u.es
+    return (b_kv.view(T, c * d), b_sc.view(T, c * d), b_ape, b_w)

@@ -131,3 +131,17 @@ def test_oracle_pipeline_is_the_stage_table_and_agreement_uses_compare_numeric()
     want = compare_numeric("dsink", bad["dsink"], o["dsink"], b)
     assert not want.passed and not ag["passed"]
     assert ag["dsink"] == want.ratio
+
+
+def test_compressor_bench_runs_and_replays_bitwise(tmp_path):
+    """``bench/bench_compressor.py`` at a smoke shape on the CPU: one row per configuration,
+    bitwise replays, a worst error/bound ratio of at most 1 (speed is never asserted)."""
+    out = tmp_path / "compressor.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_compressor.py"), "--T", "260",
+                           "--device", "cpu", "--iters", "1", "--warmup", "0", "--replays", "1",
+                           "--judge", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert {r["config"] for r in rows} == {"csa_main", "csa_indexer", "hca"}
+    assert all(r["bitwise_replays"] and r["worst_ratio"] <= 1 for r in rows)

@@ -91,7 +91,7 @@ def test_building_a_mutant_changes_no_imported_module():
 
 
 def test_mutants_are_named_described_and_expected():
-    assert len(M.MUTANTS) >= 40
+    assert len(M.MUTANTS) >= 49
     for m in M.MUTANTS:
         assert m.expect in ("killed", "survives", "equivalent")
         assert m.description
@@ -102,3 +102,32 @@ def test_mutants_are_named_described_and_expected():
 def test_unknown_mutant_is_a_usage_error(capsys):
     assert M.main(["--mutant", "no-such-mutant"]) == 2
     assert "unknown mutant" in capsys.readouterr().err
+
+
+# the compressor's classic defects (contract sections 13-15): each dies on two quick-catalog
+# cases of different categories (the killing quantity: the forward output it corrupts, the
+# op that cannot run on a wrong group count, or the replays of a timing-dependent d_ape)
+COMPRESSOR_MUTANTS = {
+    "compressor-overlap-not-reset": "kv_cmp", "compressor-logical-lengths": "run",
+    "compressor-ape-global-position": "kv_cmp", "compressor-rope-last-token": "kv_cmp",
+    "compressor-rope-rotate-half": "kv_cmp", "hadamard-unnormalised": "k_idx",
+    "hadamard-before-norm": "k_idx", "compressor-tail-forms-group": "run",
+    "dape-timing-order": "replays",
+}
+COMPRESSOR_KILLERS = ("compressor-edges", "compressor-cp2-saturated")
+
+
+def test_the_compressor_killers_are_quick_cases_of_different_categories():
+    from dsv4_oracle.runner import quick_ids
+    assert set(COMPRESSOR_KILLERS) <= set(quick_ids())
+    assert len({fixtures.get(c).categories[0] for c in COMPRESSOR_KILLERS}) == 2
+    assert set(COMPRESSOR_MUTANTS) <= {m.name for m in M.MUTANTS}
+
+
+@pytest.mark.parametrize("case", COMPRESSOR_KILLERS)
+@pytest.mark.parametrize("name", sorted(COMPRESSOR_MUTANTS))
+def test_compressor_mutant_dies_on_two_cases_of_different_categories(name, case):
+    m = M.select_mutants([name])[0]
+    r = M.run_mutant(m, [fixtures.get(case)], replays=m.replays)
+    assert r.status == "killed", f"{name} survived {case}"
+    assert r.killer["quantity"] == COMPRESSOR_MUTANTS[name], r.killer

@@ -34,7 +34,11 @@ def test_a_bound_as_large_as_the_value_is_not_judged():
 def test_one_case_end_to_end(tmp_path):
     rows = P.case_power(fixtures.get("padding-edge-layout"))
     names = [r.quantity for r in rows]
-    assert names == list(P.QUANTITIES)           # a CSA layer case has every quantity
+    # a CSA layer case from given compressed keys has every quantity but the compressor's
+    assert names == [q for q in P.QUANTITIES if "cmp" not in q and "idx_" not in q
+                     and q != "k_idx"]
+    cmp_names = [r.quantity for r in P.case_power(fixtures.get("compressor-cp2-saturated"))]
+    assert cmp_names == list(P.QUANTITIES)       # a compressor case has every quantity
     out = {r.quantity: r for r in rows}
     # lse is float32 statistics: its check sees far below 1%
     assert out["lse"].min_threshold < 1e-4

@@ -96,8 +96,8 @@ def test_every_result_is_a_compare_check_result_and_numeric_ones_come_from_compa
     results = selfcheck.selfcheck_results(CSA_ONLY)
     assert all(isinstance(r, compare.CheckResult) and r.status == "passed" for r in results)
     numeric = [r for r in results if r.kind == "numeric"]
-    assert len(numeric) == 5 and {"out", "lse", "dq", "dkv", "dsink", "kl", "loss", "dq_idx",
-                                  "dw", "dk_idx"} <= set(calls)
+    assert len(numeric) == 6 and {"out", "lse", "dq", "dkv", "dsink", "kl", "loss", "dq_idx",
+                                  "dw", "dk_idx", "dape", "dnorm_weight"} <= set(calls)
     assert all(0 <= r.ratio <= 1 and r.extra["section"] for r in numeric)
     assert not hasattr(selfcheck, "_ratio")
 
