@@ -135,7 +135,10 @@ class SparseIndexerLossGradOp(Protocol):
                  target: Tensor, predict: Tensor, *, coeff: float, num_real: int) -> tuple:
         """Contract section 8, the clipped gradient (gradient floor ``exp(-100)``) of the loss
         with upstream 1 through the indexer: returns ``(dq_idx [T, H_I, D_I], dw [T, H_I],
-        dk_idx [C, D_I])``. No gradient reaches ``q``, ``kv`` or the sink."""
+        dk_idx [C, D_I])``. No gradient reaches ``q``, ``kv`` or the sink. ``num_real`` is
+        ``N`` (an int); under a declared policy whose normaliser is per row (section 5.2:
+        padding rows that attend under ``loss_norm="real"``, ``loss_norm="rank_mean"``) it is
+        the per-row divisors, float64 ``[T]`` (``+inf``: the row does not count)."""
 
 
 class IndexerLossOutput(Protocol):
