@@ -631,13 +631,17 @@ def run_lane_mutant(mutant: Mutant, *, timeout_s: float = 600.0) -> MutantResult
 
 
 def select_mutants(names=()) -> list:
-    """The named mutants (all when ``names`` is empty); unknown names raise ``ValueError``."""
+    """The named mutants, source edits and policy mutants (``policy:NAME=VALUE``,
+    :mod:`dsv4_oracle.mutation_policies`); all when ``names`` is empty. Unknown names raise
+    ``ValueError``."""
+    from .mutation_policies import POLICY_MUTANTS
+    every = {**_BY_NAME, **{m.name: m for m in POLICY_MUTANTS}}
     if not names:
-        return list(MUTANTS)
-    unknown = [n for n in names if n not in _BY_NAME]
+        return list(every.values())
+    unknown = [n for n in names if n not in every]
     if unknown:
         raise ValueError(f"unknown mutant {unknown[0]!r}; see --list")
-    return [_BY_NAME[n] for n in names]
+    return [every[n] for n in names]
 
 
 def run_mutation(mutants, *, quick: bool = False, lanes: bool = False, baseline: bool = True,
@@ -645,7 +649,10 @@ def run_mutation(mutants, *, quick: bool = False, lanes: bool = False, baseline:
     """Every mutant of ``mutants`` (plus the unmutated backend first, when ``baseline``) over
     the quick catalog (``quick``: only each mutant's own likely killers). Lane mutants run
     only with ``lanes``; otherwise they are reported with their lane and status ``"lane"``.
+    Policy mutants run under the defaults and under their declaration
+    (:func:`dsv4_oracle.mutation_policies.run_policy_mutant`).
     ``on_result(result)`` is called as each mutant finishes."""
+    from .mutation_policies import PolicyMutant, run_policy_mutant
     from .runner import select_cases
 
     cases, _ = select_cases("quick")
@@ -659,6 +666,10 @@ def run_mutation(mutants, *, quick: bool = False, lanes: bool = False, baseline:
     if baseline:
         add(run_mutant(None, cases, progress=progress))
     for m in mutants:
+        if isinstance(m, PolicyMutant):
+            pool = [c for c in cases if c.id in set(m.first)] if quick else cases
+            add(run_policy_mutant(m, pool, progress=progress))
+            continue
         if m.lane:
             if lanes:
                 add(run_lane_mutant(m))
@@ -680,6 +691,9 @@ def run_mutation(mutants, *, quick: bool = False, lanes: bool = False, baseline:
 
 
 def _status(r: MutantResult) -> str:
+    if hasattr(r, "declared"):
+        from .mutation_policies import status_text
+        return status_text(r)
     if r.status == "killed":
         k = r.killer
         return f"killed by {k['case']} / {k['level']} / {k['quantity']}"
@@ -706,7 +720,7 @@ def format_table(results, *, markdown: bool = False, width: int | None = None) -
                "|---|---|---|---:|---:|"]
         for name, desc, st, exp, n, t, mark, r in rows:
             note = f" {exp}" if exp else ""
-            if r.status == "killed" and r.killer:
+            if r.status == "killed" and r.killer and not hasattr(r, "declared"):
                 st = (f"killed by `{r.killer['case']}` / {r.killer['level']} / "
                       f"{r.killer['quantity']}")
             out.append(f"| `{name}` | {desc} | {st}{note}{mark} | {n} | {t:.1f} |")
@@ -757,7 +771,7 @@ def main_mutate(args) -> int:
         return 2
     if args.list:
         for m in mutants:
-            where = "lane" if m.lane else ", ".join(m.files)
+            where = "lane" if m.lane else ", ".join(m.files) or "policy"
             print(f"{m.name:36s} [{m.expect}; {where}] {m.description}")
         print(f"{len(mutants)} mutants")
         return 0
