@@ -720,7 +720,10 @@ def format_table(results, *, markdown: bool = False, width: int | None = None) -
                "|---|---|---|---:|---:|"]
         for name, desc, st, exp, n, t, mark, r in rows:
             note = f" {exp}" if exp else ""
-            if r.status == "killed" and r.killer and not hasattr(r, "declared"):
+            if hasattr(r, "declared"):
+                from .mutation_policies import status_text
+                st = status_text(r, markdown=True)
+            elif r.status == "killed" and r.killer:
                 st = (f"killed by `{r.killer['case']}` / {r.killer['level']} / "
                       f"{r.killer['quantity']}")
             out.append(f"| `{name}` | {desc} | {st}{note}{mark} | {n} | {t:.1f} |")

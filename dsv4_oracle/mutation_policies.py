@@ -210,14 +210,16 @@ def run_policy_mutant(mutant: PolicyMutant, cases, *, replays: int = 0,
                   "cases_run": len(ordered) - len(skipped), "not_applicable": skipped})
 
 
-def status_text(r: PolicyMutantResult) -> str:
-    """The result column of the mutation table for a policy mutant."""
+def status_text(r: PolicyMutantResult, *, markdown: bool = False) -> str:
+    """The result column of the mutation table for a policy mutant (``markdown``: case ids in
+    backticks)."""
+    q = (lambda s: f"`{s}`") if markdown else (lambda s: s)  # noqa: E731
     if r.status == "lane":
         return f"lane only: {r.mutant.reason}"
     if r.status == "error":
         return f"ERROR: {r.detail}"
     d = r.declared
-    fails = ", ".join(f"{c} ({'/'.join(q)})" for c, q in d["failures"].items())
+    fails = ", ".join(f"{q(c)} ({'/'.join(n)})" for c, n in d["failures"].items())
     decl = (f"declared: passes {d['cases_run']} cases" if d.get("passed") else
             f"declared: FAILS {fails}")
     if d.get("not_applicable"):
@@ -225,5 +227,5 @@ def status_text(r: PolicyMutantResult) -> str:
     if r.status != "killed":
         return f"SURVIVED undeclared; {decl}"
     k = r.killer
-    return (f"killed by {k['case']} / {k['level']} / {k['quantity']}, kill depth "
+    return (f"killed by {q(k['case'])} / {k['level']} / {k['quantity']}, kill depth "
             f"{r.kill_depth}; {decl}")
