@@ -6,38 +6,40 @@ per-head masked softmaxes. Where its choices differ from the contract's defaults
 named policy of contract section 5.2, and this adapter takes each as a constructor argument
 (Megatron-Core's choice is the default) and declares exactly its configuration in ``policies``:
 
-==============  ===========================================  ================================
-policy          what this adapter does                       Megatron-Core's choice
-==============  ===========================================  ================================
-``loss_norm``   ``"rows"``: sum over every row / T;          ``rows`` (``real`` when a real-
-                ``"real"``: sum over real rows / N           token mask is given)
-``padding_rows``  ``"attend"``: bounds from the padded       ``attend``
-                documents (padding rows score and attend);
-                ``"sink_only"``: only real rows see keys
-``topk_ties``   ``"any"``: ``torch.topk`` (no tie rule);     ``any``
-                ``"by_id"``: a stable sort (smaller id wins)
-``index_scale`` ``"dim_heads"``: weights times                ``dim_heads``
-                ``(H_I D_I)^-1/2``; ``"dim"``: ``D_I^-1/2``
-``index_grad``  ``"exact"``: ``p - tau``; ``"clipped"``: the ``exact``
-                contract's floored form; ``"autograd"``:
-                autograd through the loss as written
-``kl_form``     ``"log_softmax"``: ``tau (log max(tau,       ``log_softmax``
-                1e-10) - log_softmax)``; ``"clipped"``
-``teacher``     ``"dense"``: every visible key, each head    ``dense`` (``sparse`` with the
-                normalised over them; ``"sparse"``: the      sparse indexer loss)
-                selected keys, normalised by the
-                attention's own ``lse`` and sink
-==============  ===========================================  ================================
+================  ============================================  ===========================
+policy            what this adapter does                        Megatron-Core's choice
+================  ============================================  ===========================
+``loss_norm``     ``"rows"``: sum over every row / T;           ``rows`` (``real`` with a
+                  ``"real"``: sum over real rows / N            real-token mask)
+``padding_rows``  ``"attend"``: bounds from the padded          ``attend``
+                  documents (padding rows score and attend);
+                  ``"sink_only"``: only real rows see keys
+``topk_ties``     ``"any"``: ``torch.topk`` (no tie rule);      ``any``
+                  ``"by_id"``: a stable sort (smaller id wins)
+``index_scale``   ``"dim_heads"``: weights times                ``dim_heads``
+                  ``(H_I D_I)^-1/2``; ``"dim"``: ``D_I^-1/2``
+``index_grad``    ``"exact"``: ``p - tau``; ``"clipped"``: the  ``exact``
+                  contract's floored form; ``"autograd"``:
+                  autograd through the loss as written
+``kl_form``       ``"log_softmax"``: ``tau (log max(tau,        ``log_softmax``
+                  1e-10) - log_softmax)``; ``"clipped"``
+``teacher``       ``"dense"``: every visible key, each head     ``dense`` (``sparse`` with
+                  normalised over them; ``"sparse"``: the       the sparse indexer loss)
+                  selected keys, normalised by the
+                  attention's own ``lse`` and sink
+================  ============================================  ===========================
 
 Run it (Megatron-Core's configuration, then the sparse loss over real tokens)::
 
     dsv4-oracle check --impl dsv4_oracle.examples.megatron_dsa_adapter:MegatronDSAAdapter \\
-        --case 'dsa-*'
+        --catalog quick --case 'dsa-*'
     dsv4-oracle check --impl dsv4_oracle.examples.megatron_dsa_adapter:MegatronDSASparseReal \\
-        --case 'dsa-*'
+        --catalog quick --case 'dsa-*'
 
 Under its declared policies it passes; ``--policy default`` judges it under the contract's
 defaults instead, and each policy it departs from then fails the quantities that policy governs.
+(The full catalog's ``dsa-nan-poison`` does not apply under ``padding_rows="attend"``: its NaN
+key rows are unselectable by real rows only, and padding rows that attend see them.)
 
 It implements the indexer, Top-K, attention forward and backward (those of
 ``megatron_style_adapter``: gathered slots, float32 statistics), the indexer loss and its

@@ -9,6 +9,9 @@ of the named policies of contract section 5.2.
   quantities that policy governs, on two quick cases; declared, it passes on the same cases;
 - the loss gradient's op is told which rows count when padding rows attend under
   ``loss_norm="real"`` (per-row divisors), so an implementation can follow that policy;
+- a judging cache shared across policies keeps their oracle results apart; a NaN-poisoned
+  layout does not apply when padding rows attend (``conformance.not_applicable``: they see
+  its poisoned keys);
 - a bad configuration is a ``TypeError`` / ``ValueError`` naming it.
 """
 from __future__ import annotations
@@ -153,6 +156,17 @@ def test_a_cache_shared_by_judgings_under_other_policies_keeps_them_apart():
                                    policies=adapter.policies)
         verdicts.append([c.passed for c in checks if c.extra["quantity"] == "scores"])
     assert verdicts == [[False], [True]]
+
+
+def test_a_poisoned_layout_does_not_apply_when_padding_rows_attend():
+    # dsa-nan-poison keeps its NaN key rows unselectable by real rows only: padding rows that
+    # attend see them (the oracle's scores of those rows are NaN); under the defaults the
+    # Megatron-style adapter passes it
+    case = get("dsa-nan-poison")
+    assert "padding_rows=attend" in conformance.not_applicable(case, MEGATRON_POLICIES)
+    assert conformance.not_applicable(case, DEFAULT_POLICIES) is None
+    assert conformance.not_applicable(get("dsa-padded"), MEGATRON_POLICIES) is None
+    assert verdict(MegatronDSAAdapter(**DEFAULT_POLICIES), "dsa-nan-poison") == {}
 
 
 def test_bad_configurations_name_the_argument():
