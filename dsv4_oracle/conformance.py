@@ -348,8 +348,8 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
     leaf = {k: x[k].detach().clone().requires_grad_(train) for k in LAYER_LEAVES
             if k in x and not (k == "kv_cmp" and case.ratio == 0)
             and not (k in ("q_idx", "k_idx", "weights") and not case.has_indexer)}
-    kw = dict(window=case.window, ratio=case.ratio, v_dim=case.v_dim, coeff=case.coeff,
-              order=case.order)
+    kw = _scaled(case, dict(window=case.window, ratio=case.ratio, v_dim=case.v_dim,
+                            coeff=case.coeff, order=case.order))
     if case.ratio:
         kw["kv_cmp"] = leaf["kv_cmp"]
     if case.has_indexer:
@@ -696,12 +696,13 @@ def _backward_under(j: _Judging, st: Stage, convention: str) -> tuple:
         # the recomputed out is the backward's own forward: within the forward's bound
         out_error = j.memo(("bound", "recomputed out", p), lambda: EM.attention_forward_bound(
             v["q"], v["kv"], v["ids"], v["sink"], out_o, lse_o, precision=p,
-            v_dim=j.case.v_dim, lengths=v["att_lengths"])[0],
+            v_dim=j.case.v_dim, lengths=v["att_lengths"], scale=j.case.scale)[0],
             *(v[r] for r in ("q", "kv", "ids", "sink", "att_lengths")))
     g_o = j.oracle(st, **override)
     bounds = j.memo(("bound", st.op, p, convention), lambda: EM.attention_backward_bound(
         v["q"], v["kv"], v["ids"], v["sink"], v["out"], v["lse"], v["dout"], *g_o,
-        precision=p, v_dim=j.case.v_dim, lengths=v["att_lengths"], out_error=out_error),
+        precision=p, v_dim=j.case.v_dim, lengths=v["att_lengths"], out_error=out_error,
+        scale=j.case.scale),
         *(v[r] for r in st.reads))
     checks = [j.numeric(name, e, b) for name, e, b in zip(_GRADS, g_o, bounds) if name in j.got]
     return checks, g_o, bounds

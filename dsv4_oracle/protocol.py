@@ -172,11 +172,12 @@ class CsaLayerOp(Protocol):
                  window: int, ratio: int, v_dim: Optional[int], coeff: float, order: str,
                  kv_cmp: Optional[Tensor] = None, q_idx: Optional[Tensor] = None,
                  k_idx: Optional[Tensor] = None, weights: Optional[Tensor] = None,
-                 topk: Optional[int] = None) -> LayerOutput:
+                 topk: Optional[int] = None, scale: Optional[float] = None) -> LayerOutput:
         """Contract sections 4 to 8 in one call: the packed layer (the signature of
         :func:`gpu_impl.layer.csa_layer`). ``kv`` holds the raw rows ``[T, D]``; ``kv_cmp``
         (``ratio > 0``) the compressed ones; ``q_idx``, ``k_idx``, ``weights`` and ``topk``
-        are given for a CSA layer only."""
+        are given for a CSA layer only; ``scale`` (the attention scale of sections 6 and 8)
+        only for a case that carries its own."""
 
 
 PROTOCOLS = {
