@@ -58,7 +58,7 @@ from .compare import (CheckResult, compare_exact, compare_numeric, compare_topk,
 __all__ = ["QUANTITIES", "FORWARD_OUTPUTS", "BACKWARD_OPS", "BACKWARD_CONVENTIONS", "STAGES",
            "Stage", "Run", "OpError", "applies", "oracle_stage", "oracle_outputs", "run_ops",
            "run_layer", "layer_applies", "judge", "tensors_of", "error_ratio_map",
-           "concentration_hint"]
+           "concentration_hint", "not_applicable"]
 
 F64 = torch.float64
 
@@ -142,7 +142,9 @@ class Stage(NamedTuple):
     whether the stage exists for a case. ``call``: ``(case, layout, reads) -> (args, kwargs)``,
     the same for the adapter's op and for ``reference.<op>``. ``judge``: the stage's rules.
     ``policy_kw``: ``(case, policies) -> kwargs`` the oracle (and its bound) takes on top of
-    ``call`` under the policies of section 5.2 (the adapter's op is called as ``call`` says).
+    ``call`` under the policies of section 5.2. ``told``: ``(case, policies) -> kwargs`` the
+    adapter's op is told on top of ``call`` under them (what an implementation cannot know
+    from its arguments: which rows count, under a per-row loss normaliser).
     """
 
     op: str
@@ -154,6 +156,7 @@ class Stage(NamedTuple):
     call: Callable
     judge: Callable
     policy_kw: Callable = lambda case, pol: {}
+    told: Callable = lambda case, pol: {}
 
 
 def _csa(case) -> bool:
@@ -184,6 +187,20 @@ def oracle_layout(case, policies=None):
     lay = case.layout()
     pol = DEFAULT_POLICIES if policies is None else policies
     return lay.padding_as_real() if pol["padding_rows"] == "attend" else lay
+
+
+def not_applicable(case, policies=None) -> str | None:
+    """Why ``case`` cannot be judged under ``policies`` (section 5.2), or ``None``. A layer
+    case whose NaN poison (key rows that no real row selects, section 6) lies in documents with
+    padding rows does not apply under ``padding_rows="attend"``: those padding rows then see
+    the poisoned keys, and the oracle's outputs there are NaN."""
+    pol = resolve_policies(policies)
+    if pol["padding_rows"] == "attend" and case.poison and case.is_layer:
+        lay = case.layout()
+        if int(lay.cu_seqlens_padded[-1]) > lay.num_real:
+            return ("its NaN key rows are visible to padding rows under padding_rows=attend "
+                    "(the case keeps them unselectable by real rows only)")
+    return None
 
 
 def _dense_read(case, name: str, x: dict, con: dict, produced, pol):
@@ -327,6 +344,7 @@ def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True,
         v = {r: _read(case, r, x, con, pol=pol) for r in s.reads}
         if use[s.op]:
             args, kw = s.call(case, lay, _moved(v, dev))
+            kw.update(_moved(s.told(case, pol), dev))
             res = _call(adapter, backends, s.op, len(s.writes), *args, **kw)
             got.update(zip(s.writes, res))
         else:
@@ -416,8 +434,8 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
     leaf = {k: x[k].detach().clone().requires_grad_(train) for k in LAYER_LEAVES + raw
             if k in x and not (k == "kv_cmp" and case.ratio == 0)
             and not (k in ("q_idx", "k_idx", "weights") and not case.has_indexer)}
-    kw = dict(window=case.window, ratio=case.ratio, v_dim=case.v_dim, coeff=case.coeff,
-              order=case.order)
+    kw = _scaled(case, dict(window=case.window, ratio=case.ratio, v_dim=case.v_dim,
+                            coeff=case.coeff, order=case.order))
     if case.ratio and not raw:
         kw["kv_cmp"] = leaf["kv_cmp"]
     if case.has_indexer:
@@ -575,6 +593,7 @@ class _Judging:
                  policies=None):
         self.case, self.lay = case, case.layout()
         self.pol = resolve_policies(policies)
+        self.pol_key = tuple(sorted(self.pol.items()))
         self.olay = oracle_layout(case, self.pol)
         self.on = _on_device(oracle_device)
         self.comparing = lambda: _comparing_on(oracle_device)
@@ -615,10 +634,13 @@ class _Judging:
         return self.hashes[k][1]
 
     def memo(self, name, fn, *parts):
+        """``fn()``, memoised in ``cache`` on ``name``, the content of ``parts`` and the
+        policies (the layout a padding policy gives, a teacher's key set: a cache shared by
+        judgings under other policies never hands one the other's results)."""
         if self.cache is None:
             return self.on(fn)
-        k = (name,) + tuple(self.fingerprint(p) if isinstance(p, torch.Tensor) else p
-                            for p in parts)
+        k = (name, self.pol_key) + tuple(self.fingerprint(p) if isinstance(p, torch.Tensor)
+                                         else p for p in parts)
         if k not in self.cache:
             self.cache[k] = self.on(fn)
         return self.cache[k]
@@ -1028,6 +1050,14 @@ def loss_normaliser(case, pol):
                             cp=case.cp, cp_mode=case.cp_mode)
 
 
+def _row_divisors(case, pol) -> dict:
+    """What the loss gradient's op is told under the policies (section 5.2): ``num_real`` as
+    the per-row divisors of :func:`loss_normaliser` when the normaliser is per row (padding rows
+    that attend but do not count, per-rank means), else nothing (``N``, as the call says)."""
+    n = loss_normaliser(case, pol)
+    return {"num_real": n} if isinstance(n, torch.Tensor) else {}
+
+
 def _index_kw(case, pol) -> dict:
     s = index_scale(case, pol)
     return {} if s is None else {"scale": s}
@@ -1119,7 +1149,8 @@ STAGES = (
                               v["predict"]), dict(coeff=c.coeff, num_real=lay.num_real)),
           _judge_loss_grad,
           lambda c, pol: dict(num_real=loss_normaliser(c, pol), mode=pol["index_grad"],
-                              kl_form=pol["kl_form"], **_index_kw(c, pol))),
+                              kl_form=pol["kl_form"], **_index_kw(c, pol)),
+          _row_divisors),
     Stage("indexer_compressor_backward", "15", _IDX_IN + ("dk_idx",),
           ("d_idx_kv", "d_idx_score", "d_idx_ape", "d_idx_norm"), _CMP_STORED,
           lambda c: _compressed(c) and _indexer(c) and _loss(c),

@@ -785,13 +785,17 @@ def run_lane_mutant(mutant: Mutant, *, timeout_s: float = 600.0) -> MutantResult
 
 
 def select_mutants(names=()) -> list:
-    """The named mutants (all when ``names`` is empty); unknown names raise ``ValueError``."""
+    """The named mutants, source edits and policy mutants (``policy:NAME=VALUE``,
+    :mod:`dsv4_oracle.mutation_policies`); all when ``names`` is empty. Unknown names raise
+    ``ValueError``."""
+    from .mutation_policies import POLICY_MUTANTS
+    every = {**_BY_NAME, **{m.name: m for m in POLICY_MUTANTS}}
     if not names:
-        return list(MUTANTS)
-    unknown = [n for n in names if n not in _BY_NAME]
+        return list(every.values())
+    unknown = [n for n in names if n not in every]
     if unknown:
         raise ValueError(f"unknown mutant {unknown[0]!r}; see --list")
-    return [_BY_NAME[n] for n in names]
+    return [every[n] for n in names]
 
 
 def run_mutation(mutants, *, quick: bool = False, lanes: bool = False, baseline: bool = True,
@@ -799,9 +803,12 @@ def run_mutation(mutants, *, quick: bool = False, lanes: bool = False, baseline:
     """Every mutant of ``mutants`` (plus the unmutated backend first, when ``baseline``) over
     the quick catalog (``quick``: only each mutant's own likely killers). Lane mutants run
     only with ``lanes``; otherwise they are reported with their lane and status ``"lane"``.
+    Policy mutants run under the defaults and under their declaration
+    (:func:`dsv4_oracle.mutation_policies.run_policy_mutant`).
     ``on_result(result)`` is called as each mutant finishes. ``depth``: every mutant runs on
     every quick case, and a bug mutant killed by fewer than :data:`MIN_DEPTH` cases or
     categories is not as expected."""
+    from .mutation_policies import PolicyMutant, run_policy_mutant
     from .runner import select_cases
 
     cases, _ = select_cases("quick")
@@ -816,6 +823,10 @@ def run_mutation(mutants, *, quick: bool = False, lanes: bool = False, baseline:
     if baseline:
         add(run_mutant(None, cases, progress=progress, oracle_caches=caches))
     for m in mutants:
+        if isinstance(m, PolicyMutant):
+            pool = [c for c in cases if c.id in set(m.first)] if quick else cases
+            add(run_policy_mutant(m, pool, progress=progress))
+            continue
         if m.lane:
             if lanes:
                 add(run_lane_mutant(m))
@@ -837,6 +848,9 @@ def run_mutation(mutants, *, quick: bool = False, lanes: bool = False, baseline:
 
 
 def _status(r: MutantResult) -> str:
+    if hasattr(r, "declared"):
+        from .mutation_policies import status_text
+        return status_text(r)
     if r.status == "killed":
         k = r.killer
         deep = (f"; by {r.depth} case(s) of {len(r.categories)} categor"
@@ -868,7 +882,10 @@ def format_table(results, *, markdown: bool = False, width: int | None = None) -
                "|---|---|---|" + ("---:|" if deep else "") + "---:|---:|"]
         for name, desc, st, exp, n, t, mark, r in rows:
             note = f" {exp}" if exp else ""
-            if r.status == "killed" and r.killer:
+            if hasattr(r, "declared"):
+                from .mutation_policies import status_text
+                st = status_text(r, markdown=True)
+            elif r.status == "killed" and r.killer:
                 st = (f"killed by `{r.killer['case']}` / {r.killer['level']} / "
                       f"{r.killer['quantity']}")
             d = (f" {r.depth} / {len(r.categories)} |" if r.killers is not None else
@@ -925,7 +942,7 @@ def main_mutate(args) -> int:
         return 2
     if args.list:
         for m in mutants:
-            where = "lane" if m.lane else ", ".join(m.files)
+            where = "lane" if m.lane else ", ".join(m.files) or "policy"
             print(f"{m.name:36s} [{m.expect}; {where}] {m.description}")
         print(plural(len(mutants), "mutant"))
         return 0

@@ -203,7 +203,10 @@ class SparseIndexerLossGradOp(Protocol):
                  target: Tensor, predict: Tensor, *, coeff: float, num_real: int) -> tuple:
         """Contract section 8, the clipped gradient (gradient floor ``exp(-100)``) of the loss
         with upstream 1 through the indexer: returns ``(dq_idx [T, H_I, D_I], dw [T, H_I],
-        dk_idx [C, D_I])``. No gradient reaches ``q``, ``kv`` or the sink."""
+        dk_idx [C, D_I])``. No gradient reaches ``q``, ``kv`` or the sink. ``num_real`` is
+        ``N`` (an int); under a declared policy whose normaliser is per row (section 5.2:
+        padding rows that attend under ``loss_norm="real"``, ``loss_norm="rank_mean"``) it is
+        the per-row divisors, float64 ``[T]`` (``+inf``: the row does not count)."""
 
 
 class IndexerLossOutput(Protocol):
@@ -242,12 +245,13 @@ class CsaLayerOp(Protocol):
                  kv_cmp: Optional[Tensor] = None, q_idx: Optional[Tensor] = None,
                  k_idx: Optional[Tensor] = None, weights: Optional[Tensor] = None,
                  topk: Optional[int] = None, compressor=None, index_compressor=None,
-                 rope=None) -> LayerOutput:
+                 rope=None, scale: Optional[float] = None) -> LayerOutput:
         """Contract sections 4 to 8 in one call: the packed layer (the signature of
         :func:`gpu_impl.layer.csa_layer`). ``kv`` holds the raw rows ``[T, D]``; ``kv_cmp``
         (``ratio > 0``) the compressed ones; ``q_idx``, ``k_idx``, ``weights`` and ``topk``
-        are given for a CSA layer only. From raw tokens (sections 13-15): ``compressor`` (a
-        :class:`reference.CompressorInputs`) and ``rope`` instead of ``kv_cmp``, and for a
+        are given for a CSA layer only; ``scale`` (the attention scale of sections 6 and 8)
+        only for a case that carries its own. From raw tokens (sections 13-15): ``compressor``
+        (a :class:`reference.CompressorInputs`) and ``rope`` instead of ``kv_cmp``, and for a
         CSA layer ``index_compressor`` instead of ``k_idx``; the checker passes them only to a
         ``csa_layer`` that names the keyword ``compressor``."""
 

@@ -142,13 +142,17 @@ class MegatronStyleAdapter:
         key's weight underflows to exactly 0) without the inf - inf of a softmax."""
         return sink.float().clamp(max=torch.finfo(torch.float32).max)
 
+    @staticmethod
+    def _scale(q, scale):
+        """The attention scale: the case's own when it carries one, else ``D ** -0.5``."""
+        return q.shape[-1] ** -0.5 if scale is None else scale
+
     # -- the protocol's ops (argument names and order of the oracle, ``reference``) -----------
     def sparse_attention_forward(self, q, kv, ids, sink, *, v_dim=None, lengths=None,
                                  scale=None):
         self._checked(ids)
         out, lse = dsa_sink_attention_fwd(q, kv, self._their_ids(ids, kv.shape[0], lengths),
-                                          self._their_sink(sink),
-                                          q.shape[-1] ** -0.5 if scale is None else scale,
+                                          self._their_sink(sink), self._scale(q, scale),
                                           kv.shape[1] if v_dim is None else v_dim)
         inf = torch.full_like(lse, float("inf"))
         return out, torch.where(torch.isneginf(lse), inf, lse)   # contract: +inf without keys
@@ -160,5 +164,5 @@ class MegatronStyleAdapter:
         lse = torch.where(torch.isposinf(lse), ninf, lse)       # back to their convention
         return dsa_sink_attention_bwd(q, kv, self._their_ids(ids, kv.shape[0], lengths),
                                       self._their_sink(sink), out, lse, dout,
-                                      q.shape[-1] ** -0.5 if scale is None else scale,
+                                      self._scale(q, scale),
                                       kv.shape[1] if v_dim is None else v_dim)

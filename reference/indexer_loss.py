@@ -41,7 +41,9 @@ def _slot_mask(ids: torch.Tensor, num: int) -> torch.Tensor:
 
 def _masked_softmax(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim restricted to ``mask``; 0 off the mask and on rows whose masked
-    entries are all ``-inf``."""
+    entries are all ``-inf`` (an empty last dimension: no slot, nothing to normalise)."""
+    if not x.shape[-1]:
+        return x.clone()
     x = x.masked_fill(~mask, -INF)
     m = x.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()
@@ -379,8 +381,9 @@ def sparse_indexer_loss_grad(q_idx, k_idx, weights, compressed_ids, target, pred
             loss = (coeff * _divided(kl, n_real).sum() * grad_loss
                     if isinstance(n_real, torch.Tensor) else
                     coeff * kl.sum() / n_real * grad_loss)
-            dq, dw, dk = torch.autograd.grad(loss, (qa, wa, ka), allow_unused=True)
-        return dq, dw, dk
+            grads = torch.autograd.grad(loss, (qa, wa, ka), allow_unused=True)
+        # an input the loss does not reach (no compressed key, no slot) gets zeros
+        return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, (q, w, k)))
 
     if mode == "exact":
         tt, m = tau, valid

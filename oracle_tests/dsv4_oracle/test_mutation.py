@@ -82,9 +82,10 @@ def test_a_stale_snippet_is_reported_loudly():
 def test_building_a_mutant_changes_no_imported_module():
     from dsv4_oracle.gpu_impl import torch_backend as tb
     M.build_adapter(None)                    # first use imports what the builder needs
+    mutant = M.select_mutants(["lse-log2"])[0]
     before = dict(sys.modules)
     fwd = tb.sparse_attention_forward
-    M.build_adapter(M.select_mutants(["lse-log2"])[0])
+    M.build_adapter(mutant)
     assert tb.sparse_attention_forward is fwd
     assert set(sys.modules) == set(before)
     assert all(sys.modules[k] is v for k, v in before.items())
@@ -131,3 +132,52 @@ def test_compressor_mutant_dies_on_two_cases_of_different_categories(name, case)
     r = M.run_mutant(m, [fixtures.get(case)], replays=m.replays)
     assert r.status == "killed", f"{name} survived {case}"
     assert r.killer["quantity"] == COMPRESSOR_MUTANTS[name], r.killer
+
+
+# -- the policy section (dsv4_oracle.mutation_policies) -------------------------------------------
+def test_policy_mutants_cover_every_non_default_value():
+    from dsv4_oracle.mutation_policies import POLICY_MUTANTS
+    from dsv4_oracle.reference.contract_policies import POLICIES
+    assert {(m.policy, m.value) for m in POLICY_MUTANTS} == {
+        (n, v) for n, p in POLICIES.items() for v in p.values if v != p.default}
+    for m in POLICY_MUTANTS:
+        assert m.name == f"policy:{m.policy}={m.value}" and m.description
+        assert (m.build is None) == bool(m.lane) and (m.build is not None or m.reason)
+        assert m.build is None or len(m.first) >= 2
+    assert {m.name for m in POLICY_MUTANTS} <= {m.name for m in M.select_mutants()}
+
+
+@pytest.mark.parametrize("name", ["policy:teacher=dense", "policy:index_grad=autograd"])
+def test_a_policy_mutant_dies_undeclared_and_passes_declared(name):
+    r = M.run_mutation(M.select_mutants([name]), quick=True, baseline=False)[0]
+    assert r.status == "killed" and r.kill_depth == 2 == len(r.mutant.first), r.to_dict()
+    assert r.declared["passed"] and r.declared["cases_run"] == 2, r.declared
+    assert r.as_expected
+    line = M.format_table([r])
+    assert "kill depth 2" in line and "declared: passes 2 cases" in line
+    assert r.to_dict()["kill_depth"] == 2
+
+
+def test_rank_mean_is_a_lane_only_entry():
+    from dsv4_oracle.mutation_policies import run_policy_mutant
+    m = M.select_mutants(["policy:loss_norm=rank_mean"])[0]
+    r = run_policy_mutant(m, [fixtures.get("dsa-padded")])
+    assert r.status == "lane" and r.as_expected and "context parallelism" in M.format_table([r])
+
+
+def test_a_declared_policy_the_implementation_does_not_follow_is_unexpected():
+    # the contract's defaults, declaring the dense teacher: it follows no non-default value,
+    # so nothing kills it under the defaults (what a policy mutant must not do)
+    from dsv4_oracle.examples.megatron_dsa_adapter import MegatronDSAAdapter
+    from dsv4_oracle.mutation_policies import PolicyMutant, run_policy_mutant
+    from dsv4_oracle.reference.contract_policies import DEFAULT_POLICIES
+
+    def build():
+        obj = MegatronDSAAdapter(**DEFAULT_POLICIES)
+        obj.policies = {**DEFAULT_POLICIES, "teacher": "dense"}
+        return obj
+    m = PolicyMutant("teacher", "dense", build, "declares dense, computes sparse",
+                     ("dsa-zero-ties",))
+    r = run_policy_mutant(m, [fixtures.get("dsa-zero-ties")])
+    assert r.status == "survived" and not r.as_expected
+    assert "SURVIVED" in M.format_table([r]) and "UNEXPECTED" in M.format_table([r])

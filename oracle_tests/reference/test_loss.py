@@ -202,6 +202,27 @@ def test_rows_with_no_selection_or_no_teacher_mass_count_zero():
     assert float(res_inf.loss) == 0.0 and bool((res_inf.target == 0).all())
 
 
+def test_a_key_set_of_width_zero_has_no_loss_and_no_gradient():
+    # the dense teacher of a layer without compressed keys (policy teacher="dense"): every
+    # row ranges over C = 0 keys, so compressed_ids is [T, 0]
+    _, _, loss_args = pipeline("selfcheck-csa-padded")
+    q, kv_cmp, sink, lse, cmp_ids, scores, layout = loss_args
+    T = q.shape[0]
+    empty = torch.empty((T, 0), dtype=torch.int64)
+    res = R.sparse_indexer_loss(q, kv_cmp[:0], sink, lse, empty, scores[:, :0], layout,
+                                coeff=0.5, kl_form="log_softmax")
+    assert float(res.loss) == 0.0 and bool((res.kl == 0).all())
+    assert res.target.shape == res.predict.shape == (T, 0)
+    q_idx = torch.randn(T, 2, 4, dtype=torch.float64)
+    w = torch.randn(T, 2, dtype=torch.float64)
+    for mode in ("clipped", "exact", "autograd"):
+        dq, dw, dk = R.sparse_indexer_loss_grad(q_idx, torch.zeros(0, 4, dtype=torch.float64), w,
+                                                empty, res.target, res.predict, coeff=0.5,
+                                                num_real=layout.num_real, mode=mode)
+        assert dq.shape == q_idx.shape and dw.shape == w.shape and dk.shape == (0, 4)
+        assert not bool(dq.any()) and not bool(dw.any())
+
+
 def test_no_gradient_reaches_q_kv_or_the_sink_through_the_loss():
     case, x, loss_args = pipeline("selfcheck-csa-padded")
     q, kv_cmp, sink, lse, cmp_ids, _, layout = loss_args
