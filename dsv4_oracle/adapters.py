@@ -46,11 +46,11 @@ import torch
 
 from dsv4_oracle.reference.error_model import ORACLE_PRECISION, Precision
 
-from .invoke import describe
+from .invoke import Overrun, describe
 from .protocol import ALL_OPS, LAYER_OP, OPS
 
 __all__ = [
-    "OPS", "LAYER_OP", "ALL_OPS", "BUILTIN", "AdapterError", "Adapter", "load_adapter",
+    "OPS", "LAYER_OP", "ALL_OPS", "BUILTIN", "AdapterError", "AdapterTypeError", "Adapter", "load_adapter",
     "default_impl", "default_precision", "looser_than_default", "GpuImplAdapter", "checked_ops",
 ]
 
@@ -59,6 +59,11 @@ BUILTIN = ("reference", "gpu_impl:torch", "gpu_impl:cudnn")
 
 class AdapterError(Exception):
     """An adapter cannot be loaded or cannot run here; the message is one line for the user."""
+
+
+class AdapterTypeError(AdapterError, TypeError):
+    """An :class:`AdapterError` about a value of the wrong type (a precision that is not a
+    :class:`Precision`)."""
 
 
 def default_precision(dtype: torch.dtype) -> Precision:
@@ -84,7 +89,7 @@ def _guarded(what: str, fn: Callable, *args):
     or a ``SystemExit``, is an :class:`AdapterError` (one line) naming ``what``."""
     try:
         return fn(*args)
-    except (AdapterError, KeyboardInterrupt):
+    except (AdapterError, KeyboardInterrupt, Overrun):
         raise
     except BaseException as exc:       # the adapter's own code: never a traceback, never exit
         raise AdapterError(f"{what}: {describe(exc)}") from None
@@ -171,12 +176,12 @@ class Adapter:
             return p
         what = f"adapter {self.spec}: precision({dtype})" + (f" for {op}" if op else "")
         if not callable(p):
-            raise AdapterError(f"{what} is a {type(p).__name__}, expected a Precision or a "
-                               f"callable dtype -> Precision")
+            raise AdapterTypeError(f"{what} is a {type(p).__name__}, expected a Precision or "
+                                   f"a callable dtype -> Precision")
         got = _guarded(what, p, dtype)
         if not isinstance(got, Precision):
-            raise AdapterError(f"{what} returned {type(got).__name__}, expected "
-                               f"dsv4_oracle.reference.error_model.Precision")
+            raise AdapterTypeError(f"{what} returned {type(got).__name__}, expected "
+                                   f"dsv4_oracle.reference.error_model.Precision")
         return got
 
     def unavailable(self) -> str | None:
@@ -296,6 +301,8 @@ def checked_ops(adapter: "Adapter", ops) -> tuple[str, ...] | None:
     if ops is None:
         return None
     ops = tuple(ops)
+    if not ops:
+        raise ValueError(f"names no op; ops are {', '.join(ALL_OPS)}")
     unknown = [o for o in ops if o not in ALL_OPS]
     if unknown:
         raise ValueError(f"unknown op {unknown[0]!r}; ops are {', '.join(ALL_OPS)}")
@@ -387,6 +394,10 @@ def _import_file(path: str, spec: str):
     if not name.isidentifier():
         raise AdapterError(f"--impl {spec}: the file name {os.path.basename(path)!r} is not a "
                            f"Python module name")
+    if _taken(name, path):
+        # the stem names another module (json.py, a package of the environment): the file is
+        # imported under a private name, never in place of that module
+        name = f"_dsv4_oracle_impl_{name}"
     loader_spec = importlib.util.spec_from_file_location(name, os.path.abspath(path))
     if loader_spec is None or loader_spec.loader is None:
         raise AdapterError(f"--impl {spec}: cannot load {path!r} as a Python module")
@@ -403,3 +414,20 @@ def _import_file(path: str, spec: str):
             sys.modules[name] = previous
         raise
     return name, module
+
+
+def _taken(name: str, path: str) -> bool:
+    """Whether the module name ``name`` belongs to a module other than the file ``path``: one
+    already imported from elsewhere, or one the import system finds elsewhere (the standard
+    library, an installed package)."""
+    here = os.path.realpath(path)
+    mod = sys.modules.get(name)
+    if mod is not None:
+        return os.path.realpath(getattr(mod, "__file__", None) or "") != here
+    if name in sys.builtin_module_names or name in getattr(sys, "stdlib_module_names", ()):
+        return True
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    return found is not None and os.path.realpath(found.origin or "") != here

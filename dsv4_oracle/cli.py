@@ -47,7 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def printable_streams() -> None:
+    """stdout and stderr write any text: a character their encoding lacks (an ASCII terminal, a
+    lone surrogate in an adapter's message) is written as a backslash escape, never an error."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError, OSError):
+            pass
+
+
 def main(argv=None) -> int:
+    printable_streams()
     try:
         try:
             args = build_parser().parse_args(argv)

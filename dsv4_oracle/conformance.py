@@ -49,7 +49,8 @@ from dsv4_oracle.reference._checks import as_device, compute_on, to_cpu
 
 from .adapters import Adapter
 from .hints import AXES, concentration_hint
-from .invoke import OpError, call_op
+from .invoke import OpError, call_op, text
+from .outputs import unusable
 from .compare import (CheckResult, compare_exact, compare_numeric, compare_topk, content_hash,
                       error_ratios, near_tie_rows, not_judged, row_chunks)
 
@@ -83,6 +84,7 @@ QUANTITIES = {
     "replays": ("11", "bitwise identical replays"),
     "grad_modes": ("11", "identical bits in no_grad / inference_mode / grad-enabled"),
     "no_mutation": ("11", "no input modified"),
+    "outputs_stable": ("11", "returned tensors keep their bits after they are returned"),
     "run": ("-", "the implementation ran without raising"),
 }
 
@@ -98,14 +100,17 @@ IO = "io"                       # Stage.stored: the case's input dtype
 
 class Run(NamedTuple):
     """One pipeline run: ``got`` the adapter's outputs (judged), ``consumed`` what each op was
-    fed (the adapter's outputs, or the oracle's where the adapter lacks the op; plus
-    ``"backward_convention"`` when the adapter pins one, and ``"not_run"``, op -> reason, when
-    the pipeline stopped because the oracle could not stand in for a missing op on the
-    adapter's outputs), ``backends`` op -> the backend that ran it."""
+    fed (the adapter's outputs, or the oracle's where the adapter lacks the op or the op
+    failed; plus ``"backward_convention"`` when the adapter pins one, and ``"not_run"``, op ->
+    reason, when the pipeline stopped because the oracle could not stand in for a missing op
+    on the adapter's outputs), ``backends`` op -> the backend that ran it, ``failed`` op ->
+    the :class:`OpError` of an op that raised, exited, wrote into an argument or returned
+    something unusable (its outputs are not in ``got``)."""
 
     got: dict
     consumed: dict
     backends: dict
+    failed: dict
 
 
 def tensors_of(d: dict) -> dict:
@@ -183,25 +188,43 @@ def _stored(case, dtype):
 # ---------------------------------------------------------------------------------------------
 # running an adapter
 # ---------------------------------------------------------------------------------------------
-def _fields(op: str, res, n: int) -> tuple:
+def _fields(op: str, res, n: int, kind: str = "error") -> tuple:
     """The first ``n`` tensor fields of an op's result (a tensor when ``n == 1``, or a
-    tuple/NamedTuple); anything else is an :class:`OpError`."""
+    tuple/NamedTuple); anything else is an :class:`OpError` of ``kind``."""
     if n == 1 and isinstance(res, torch.Tensor):
         return (res,)
     if not isinstance(res, (tuple, list)) or len(res) < n:
-        raise OpError(op, f"returned {type(res).__name__}, expected a tuple of {n} tensors")
+        raise OpError(op, f"returned {type(res).__name__}, expected a tuple of {n} tensors", kind)
     out = tuple(res[:n])
     for i, t in enumerate(out):
         if not isinstance(t, torch.Tensor):
-            raise OpError(op, f"field {i} of its result is {type(t).__name__}, not a tensor")
+            raise OpError(op, f"field {i} of its result is {type(t).__name__}, not a tensor",
+                          kind)
     return out
 
 
-def _call(adapter: Adapter, backends: dict, op: str, n: int, *args, **kwargs) -> tuple:
-    res = call_op(adapter.op(op), op, args, kwargs)
-    b = getattr(res, "backend", None)
-    backends[op] = b if isinstance(b, str) else adapter.name
-    return _fields(op, res, n)
+def _checked(op: str, case, lay, reads: dict, named: dict) -> dict:
+    """``named`` when :func:`dsv4_oracle.outputs.unusable` finds nothing wrong with it, else an
+    :class:`OpError` (``kind="result"``) naming the op, the output and what was expected."""
+    bad = unusable(op, case, lay, reads, named)
+    if bad is not None:
+        raise OpError(op, f"returned an unusable {bad[0]}: {bad[1]}", "result", output=bad[0])
+    return named
+
+
+def _call(adapter: Adapter, backends: dict, st: "Stage", case, lay, reads: dict, args,
+          kwargs) -> tuple:
+    """The adapter's op of stage ``st``: its outputs (private copies), checked the moment it
+    returns (:func:`_checked`); any failure is an :class:`OpError`."""
+    op = st.op
+
+    def result(res):
+        named = dict(zip(st.writes, _fields(op, res, len(st.writes), "result")))
+        b = getattr(res, "backend", None)
+        backends[op] = b if isinstance(b, str) else adapter.name
+        return _checked(op, case, lay, reads, named)
+    named = call_op(adapter.op(op), op, args, kwargs, result=result)
+    return tuple(named[w] for w in st.writes)
 
 
 def _moved(v: dict, device) -> dict:
@@ -217,6 +240,9 @@ def _pinned_convention(adapter: Adapter, op: str) -> str | None:
     return conv
 
 
+_STOOD_IN = "; the oracle's result, rounded as a kernel stores it, stood in for it downstream"
+
+
 def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True) -> Run:
     """The op-level pipeline of ``case`` on the inputs ``x`` (on ``adapter.device``).
 
@@ -224,7 +250,11 @@ def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True)
     ``backward=False`` skips the gradient ops (the forward of section 11's grad-mode parity).
     A stage runs when the adapter provides it, or (as the oracle, rounded per
     :attr:`Stage.stored`) when a later stage that runs reads one of its outputs.
-    Raises :class:`OpError` when an op raises or returns a malformed result.
+
+    An op that fails (raises, exits, writes into an argument, or returns something unusable:
+    :mod:`dsv4_oracle.outputs`) is recorded in ``Run.failed`` and stood in for exactly like an
+    op the adapter lacks; every later stage still runs and is judged. Only an op that overruns
+    its time limit raises :class:`OpError` (the implementation may still be running).
     """
     dev = adapter.device
     lay = case.layout()
@@ -239,32 +269,46 @@ def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True)
     got: dict = {}
     con: dict = {}
     backends: dict = {}
+    failed: dict = {}
     order = runs[::-1]
     for i, s in enumerate(order):
         v = {r: _read(case, r, x, con) for r in s.reads}
         if use[s.op]:
             args, kw = s.call(case, lay, _moved(v, dev))
-            res = _call(adapter, backends, s.op, len(s.writes), *args, **kw)
-            got.update(zip(s.writes, res))
-        else:
-            args, kw = s.call(case, lay, _moved(v, "cpu"))
             try:
-                res = _fields(s.op, getattr(R, s.op)(*args, **kw), len(s.writes))
-            except (ValueError, TypeError, IndexError, RuntimeError) as exc:
-                # an output of the implementation the oracle cannot consume (e.g. NaN scores):
-                # the pipeline stops; judge reports that output's failure and the adapter's
-                # remaining ops as not judged
-                con["not_run"] = {t.op: f"the oracle could not stand in for {s.op} on the "
-                                        f"implementation's outputs ({exc})"
-                                  for t in order[i:] if use[t.op]}
-                break
-            res = tuple(t.to(_stored(case, d)).to(dev) for t, d in zip(res, s.stored))
+                res = _call(adapter, backends, s, case, lay, v, args, kw)
+                got.update(zip(s.writes, res))
+                con.update(zip(s.writes, res))
+                continue
+            except OpError as exc:
+                if exc.kind == "timeout":
+                    raise
+                failed[s.op] = exc
+            if not any(set(s.writes) & {"lengths" if r == "att_lengths" else r
+                                        for r in t.reads} for t in order[i + 1:]):
+                continue                 # nothing later reads what the failed op made
+        args, kw = s.call(case, lay, _moved(v, "cpu"))
+        try:
+            res = _fields(s.op, getattr(R, s.op)(*args, **kw), len(s.writes))
+        except (ValueError, TypeError, IndexError, RuntimeError) as exc:
+            # an output of the implementation the oracle cannot consume (e.g. NaN scores):
+            # the pipeline stops; judge reports that output's failure and the adapter's
+            # remaining ops as not judged
+            con["not_run"] = {t.op: f"the oracle could not stand in for {s.op} on the "
+                                    f"implementation's outputs ({exc})"
+                              for t in order[i:] if use[t.op] and t.op not in failed}
+            break
+        if s.op in failed:
+            e = failed[s.op]
+            failed[s.op] = OpError(e.op, e.message + _STOOD_IN, e.kind, e.output)
+        res = tuple(t.to(_stored(case, d)).to(dev) for t, d in zip(res, s.stored))
         con.update(zip(s.writes, res))
-    if backward and use.get("sparse_attention_backward"):
+    if backward and use.get("sparse_attention_backward") and \
+            "sparse_attention_backward" not in failed:
         conv = _pinned_convention(adapter, "sparse_attention_backward")
         if conv is not None:
             con["backward_convention"] = conv
-    return Run(got, con, backends)
+    return Run(got, con, backends, failed)
 
 
 LAYER_LEAVES = ("q", "kv_raw", "kv_cmp", "sink", "q_idx", "k_idx", "weights")
@@ -281,7 +325,13 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
     indexer loss (upstream 1). A leaf that autograd gives no gradient gets zeros (no flow).
     Before that, the loss alone is backpropagated to ``q``, ``kv`` and the sink (contract
     section 8: the teacher is detached, so these are exact zeros): ``got["loss_dq"]``,
-    ``["loss_dkv"]``, ``["loss_dsink"]``."""
+    ``["loss_dkv"]``, ``["loss_dsink"]``.
+
+    The forward's outputs are copied (and checked, :mod:`dsv4_oracle.outputs`) when the forward
+    returns, before the backward runs: they are judged as the caller saw them. An output that
+    is unusable leaves out its stage's outputs (``Run.failed``, keyed by that stage's op), and a
+    backward that fails leaves out the gradients (key ``"csa_layer backward"``); the rest is
+    still judged. A forward that fails raises :class:`OpError`."""
     op = "csa_layer"
     lay = case.layout()
     train = backward and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
@@ -296,12 +346,53 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
         kw.update(q_idx=leaf["q_idx"], k_idx=leaf["k_idx"], weights=leaf["weights"],
                   topk=case.topk)
     attention_leaves = [k for k in ("q", "kv_raw", "kv_cmp", "sink") if k in leaf]
-    loss_only: dict = {}
+    box: dict = {}
 
-    def forward_backward(*args, **kwargs):
-        res = adapter.op(op)(*args, **kwargs)
-        if train:
-            roots, grads = [res.out], [x["dout"]]
+    def forward_result(res):
+        box["res"] = res
+        b = getattr(res, "backends", None)
+        box["backends"] = ({text(k): text(v) for k, v in b.items()} if isinstance(b, dict)
+                           else {op: adapter.name})
+        try:
+            named = dict(out=res.out, lse=res.lse, ids=res.ids, lengths=res.lengths)
+            if case.has_indexer:
+                named.update(scores=res.index_scores, cmp_ids=res.compressed_ids,
+                             cmp_lengths=res.compressed_lengths)
+                L = getattr(res, "indexer_loss", None)
+                if L is not None:
+                    named["loss"] = res.loss
+                    for k in ("kl", "target", "predict"):
+                        named[k] = getattr(L, k)
+        except AttributeError as exc:
+            raise OpError(op, f"its result lacks a field of the protocol ({text(exc)})",
+                          "result") from exc
+        for k, v in named.items():
+            if not isinstance(v, torch.Tensor):
+                raise OpError(op, f"result field {k} is {type(v).__name__}, not a tensor",
+                              "result", output=k)
+        return named
+    # the leaves are private copies already (and must stay autograd leaves): call_op compares
+    # them, and the layout it copies, with snapshots around the call
+    fwd = call_op(adapter.op(op), op, (leaf["q"], leaf["kv_raw"], leaf["sink"], lay), kw,
+                  private=False, result=forward_result)
+    got: dict = {}
+    failed: dict = {}
+    for st in STAGES:                    # each output checked as the op-level output would be
+        outs = {w: fwd[w] for w in st.writes if w in fwd}
+        if not outs or not st.applies(case):
+            continue
+        bad = unusable(st.op, case, lay, {r: _read(case, r, x, got) for r in st.reads}, outs)
+        if bad is None:
+            got.update(outs)
+        else:
+            failed[st.op] = OpError(op, f"returned an unusable {bad[0]}: {bad[1]}", "result",
+                                    output=bad[0])
+    if train:
+        loss_only: dict = {}
+
+        def backward_of_layer(*args, **kwargs):
+            res = box["res"]
+            roots, grads = [res.out], [kwargs["dout"]]
             if isinstance(res.loss, torch.Tensor) and res.loss.requires_grad:
                 # section 8: no gradient reaches q, kv or the sink through the loss
                 g_l = torch.autograd.grad(res.loss, [leaf[k] for k in attention_leaves],
@@ -310,45 +401,36 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
                 roots.append(res.loss)
                 grads.append(torch.ones_like(res.loss))
             torch.autograd.backward(roots, grads)
-        return res
-    # the leaves are private copies already (and must stay autograd leaves): call_op compares
-    # them, and the layout it copies, with snapshots around forward and backward
-    res = call_op(forward_backward, op, (leaf["q"], leaf["kv_raw"], leaf["sink"], lay), kw,
-                  private=False)
-    b = getattr(res, "backends", None)
-    backends = dict(b) if isinstance(b, dict) else {op: adapter.name}
-    try:
-        got = dict(out=res.out.detach(), lse=res.lse, ids=res.ids, lengths=res.lengths)
-        if case.has_indexer:
-            got.update(scores=res.index_scores, cmp_ids=res.compressed_ids,
-                       cmp_lengths=res.compressed_lengths)
-            L = getattr(res, "indexer_loss", None)
-            if L is not None:
-                got["loss"] = res.loss.detach()
-                for k in ("kl", "target", "predict"):
-                    got[k] = getattr(L, k)
-    except AttributeError as exc:
-        raise OpError(op, f"its result lacks a field of the protocol ({exc})") from exc
-    if train:
-        g = lambda k: (leaf[k].grad if leaf[k].grad is not None  # noqa: E731
-                       else torch.zeros_like(leaf[k]))
-        got["dq"], got["dsink"] = g("q"), g("sink")
-        got["dkv"] = torch.cat([g("kv_raw")] + ([g("kv_cmp")] if case.ratio else []))
-        if case.has_indexer and "loss" in got:
-            got.update(dq_idx=g("q_idx"), dw=g("weights"), dk_idx=g("k_idx"))
-        if loss_only:
-            z = lambda k: (loss_only[k] if loss_only[k] is not None  # noqa: E731
+
+        def gradients(_):
+            g = lambda k: (leaf[k].grad if leaf[k].grad is not None  # noqa: E731
                            else torch.zeros_like(leaf[k]))
-            got["loss_dq"], got["loss_dsink"] = z("q"), z("sink")
-            got["loss_dkv"] = torch.cat([z("kv_raw")] + ([z("kv_cmp")] if case.ratio else []))
-    for k, v in got.items():
-        if not isinstance(v, torch.Tensor):
-            raise OpError(op, f"result field {k} is {type(v).__name__}, not a tensor")
+            named = {"dq": g("q"), "dsink": g("sink"),
+                     "dkv": torch.cat([g("kv_raw")] + ([g("kv_cmp")] if case.ratio else []))}
+            if case.has_indexer and "loss" in fwd:
+                named.update(dq_idx=g("q_idx"), dw=g("weights"), dk_idx=g("k_idx"))
+            if loss_only:
+                z = lambda k: (loss_only[k] if loss_only[k] is not None  # noqa: E731
+                               else torch.zeros_like(leaf[k]))
+                named.update(loss_dq=z("q"), loss_dsink=z("sink"), loss_dkv=torch.cat(
+                    [z("kv_raw")] + ([z("kv_cmp")] if case.ratio else [])))
+            return named
+        rest = {k: v for k, v in leaf.items() if k not in ("q", "kv_raw", "sink")}
+        try:
+            got.update(call_op(backward_of_layer, op, (leaf["q"], leaf["kv_raw"], leaf["sink"]),
+                               dict(rest, dout=x["dout"].detach().clone()), private=False,
+                               result=gradients, label=f"the backward of {op}"))
+        except OpError as exc:
+            if exc.kind == "timeout":
+                raise
+            failed[f"{op} backward"] = OpError(op, f"in the backward: {exc.message}", exc.kind,
+                                               exc.output)
     con = dict(got)
-    conv = _pinned_convention(adapter, op) if train else None
+    conv = (_pinned_convention(adapter, op) if train and f"{op} backward" not in failed
+            else None)
     if conv is not None:
         con["backward_convention"] = conv
-    return Run(got, con, backends)
+    return Run(got, con, box["backends"], failed)
 
 
 # ---------------------------------------------------------------------------------------------
