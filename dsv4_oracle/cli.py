@@ -64,7 +64,9 @@ def main(argv=None) -> int:
             args = build_parser().parse_args(argv)
         except SystemExit as exc:          # a usage error (one line) or --help
             return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()                 # a closed stdout shows here, not at interpreter exit
+        return rc
     except BrokenPipeError:                # stdout closed early (``| head``): no traceback
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

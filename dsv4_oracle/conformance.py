@@ -221,7 +221,7 @@ def _call(adapter: Adapter, backends: dict, st: "Stage", case, lay, reads: dict,
     def result(res):
         named = dict(zip(st.writes, _fields(op, res, len(st.writes), "result")))
         b = getattr(res, "backend", None)
-        backends[op] = b if isinstance(b, str) else adapter.name
+        backends[op] = text(b) if isinstance(b, str) else adapter.name
         return _checked(op, case, lay, reads, named)
     named = call_op(adapter.op(op), op, args, kwargs, result=result)
     return tuple(named[w] for w in st.writes)
