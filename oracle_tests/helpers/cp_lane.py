@@ -347,6 +347,13 @@ def fault_main(rank, world, what, timeout, hold_s=None):
     case = CASES["csa"]
     loc = local_inputs(case, make_inputs(case), world, rank)
     hold = hold_s if hold_s is not None else (timeout or 0) + 3
+    if what == "fails_in_backward_and_exits" and rank != world - 1:
+        kernel = api.sparse_attention_backward
+
+        def late(*args, **kwargs):       # the failed rank has left before this rank goes on
+            time.sleep(2.0)
+            return kernel(*args, **kwargs)
+        api.sparse_attention_backward = late
     if rank == world - 1:
         if what == "never_joins":
             time.sleep(hold)
