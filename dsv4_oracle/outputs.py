@@ -141,9 +141,8 @@ def _scores_pattern(case, lay, v: dict, got: dict) -> tuple | None:
     if not s.numel():
         return None
     base, vis = (x.to(s.device) for x in _row_offsets(lay, case.ratio))
-    q_ok, w_ok = _finite_rows(v["q_idx"].to(s.device), 2), _finite_rows(v["weights"].to(s.device), 1)
-    k_ok = _finite_rows(v["k_idx"].to(s.device), 1)
     cols = torch.arange(s.shape[1], device=s.device).unsqueeze(0)
+    clean_rows = clean_cols = None
     for rows in row_chunks(s):
         r0 = rows.start
         local = cols - base[rows].unsqueeze(1)
@@ -155,8 +154,14 @@ def _scores_pattern(case, lay, v: dict, got: dict) -> tuple | None:
             return ("scores", f"scores[{t}, {c}] = {_value(s, (t, c))}, but group {c} is not "
                               f"visible to row {t}: the contract's score there is -inf "
                               f"(sections 3 and 7)")
-        clean = seen & (q_ok[rows] & w_ok[rows]).unsqueeze(1) & k_ok.unsqueeze(0)
-        bad = clean & ~torch.isfinite(piece)
+        bad = seen & ~torch.isfinite(piece)
+        if not bool(bad.any()):
+            continue
+        if clean_rows is None:           # the inputs' finiteness, read only when needed
+            clean_rows = (_finite_rows(v["q_idx"].to(s.device), 2)
+                          & _finite_rows(v["weights"].to(s.device), 1))
+            clean_cols = _finite_rows(v["k_idx"].to(s.device), 1)
+        bad &= clean_rows[rows].unsqueeze(1) & clean_cols.unsqueeze(0)
         if bool(bad.any()):
             t, c = _at(bad, r0)
             return ("scores", f"scores[{t}, {c}] = {_value(s, (t, c))} for a visible group "
@@ -192,33 +197,41 @@ def _attention_pattern(case, lay, v: dict, got: dict) -> tuple | None:
     out, lse = got.get("out"), got.get("lse")
     dev = (out if out is not None else lse).device
     S = kv.shape[0]
-    kv_bad = ~_finite_rows(kv.to(dev), 1)
+    kv_bad = None
     for rows in row_chunks(q):
         r0 = rows.start
         idc = ids[rows].to(dev, torch.int64)
         ln = None if lengths is None else lengths[rows].to(dev, torch.int64)
         valid = valid_slots(idc, S, ln) if idc.numel() else \
             torch.zeros(idc.shape, dtype=torch.bool, device=dev)
-        touched = (valid & kv_bad[idc.clamp(0, max(S - 1, 0))]).any(dim=1) if S else \
-            torch.zeros(idc.shape[0], dtype=torch.bool, device=dev)
-        empty = ~valid.any(dim=1) if valid.shape[1] else \
-            torch.ones(idc.shape[0], dtype=torch.bool, device=dev)
-        clean = _finite_rows(q[rows].to(dev), 1) & ~touched.unsqueeze(1)
+        empty = (~valid.any(dim=1) if valid.shape[1] else
+                 torch.ones(idc.shape[0], dtype=torch.bool, device=dev)).unsqueeze(1)
         if lse is not None:
             piece = lse[rows].detach()
-            bad = empty.unsqueeze(1) & (piece != math.inf)
+            bad = empty & (piece != math.inf)
             if bool(bad.any()):
                 t, h = _at(bad, r0)
                 return ("lse", f"lse[{t}, {h}] = {_value(lse, (t, h))} on a row with no valid "
                                f"slot: the contract's lse there is +inf (section 6)")
-            bad = clean & ~empty.unsqueeze(1) & ~torch.isfinite(piece)
+            bad_lse = ~empty & ~torch.isfinite(piece)
+        bad_out = None if out is None else ~_finite_rows(out[rows].detach(), 1)
+        if not ((lse is not None and bool(bad_lse.any())) or
+                (bad_out is not None and bool(bad_out.any()))):
+            continue
+        # a non-finite value: allowed only where the query or a selected key is not finite
+        if kv_bad is None:
+            kv_bad = ~_finite_rows(kv.to(dev), 1)
+        touched = (valid & kv_bad[idc.clamp(0, max(S - 1, 0))]).any(dim=1) if S else \
+            torch.zeros(idc.shape[0], dtype=torch.bool, device=dev)
+        clean = _finite_rows(q[rows].to(dev), 1) & ~touched.unsqueeze(1)
+        if lse is not None:
+            bad = clean & bad_lse
             if bool(bad.any()):
                 t, h = _at(bad, r0)
                 return ("lse", f"lse[{t}, {h}] = {_value(lse, (t, h))} on a row whose query "
                                f"and selected keys are finite (section 6: a finite lse)")
-        if out is not None:
-            piece = out[rows].detach()
-            bad = (clean | empty.unsqueeze(1)) & ~_finite_rows(piece, 1)
+        if bad_out is not None:
+            bad = (clean | empty) & bad_out
             if bool(bad.any()):
                 t, h = _at(bad, r0)
                 return ("out", f"out[{t}, {h}] holds a non-finite value on a row whose query "
