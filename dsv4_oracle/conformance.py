@@ -20,11 +20,14 @@ the same arguments as the adapter's op.
   the oracle's own earlier outputs): the reference outputs the regression store keeps, the CP
   lane compares against and the oracle benchmark times (:func:`oracle_stage` is one step).
 - :func:`run_ops`: the op-level pipeline. Each stage the adapter provides runs on what the
-  previous stages produced; a stage it lacks, but whose outputs a later stage reads, is replaced
+  previous stages produced, and its outputs are checked the moment it returns
+  (:mod:`dsv4_oracle.outputs`); a stage it lacks, or one that fails (raises, writes into an
+  argument, returns something unusable), is replaced, where a later stage reads its outputs,
   by the oracle's result rounded as a kernel stores it (:attr:`Stage.stored`).
-- :func:`run_layer`: the packed layer (``csa_layer``): forward, then autograd backward of
-  ``out`` (upstream ``dout``) and of the indexer loss (upstream 1), and of the loss alone
-  (section 8: its gradients on ``q``, ``kv`` and the sink must be exact zeros).
+- :func:`run_layer`: the packed layer (``csa_layer``): forward (its outputs copied and checked
+  when it returns), then autograd backward of ``out`` (upstream ``dout``) and of the indexer
+  loss (upstream 1), and of the loss alone (section 8: its gradients on ``q``, ``kv`` and the
+  sink must be exact zeros).
 - :func:`judge`: stage by stage, in pipeline order, the oracle on what that stage consumed,
   with its bound (``reference.error_model``) and its primitive check (``compare``). A stage
   that reads an output whose own check found it unusable (a non-finite pattern or a shape the
@@ -203,28 +206,41 @@ def _fields(op: str, res, n: int, kind: str = "error") -> tuple:
     return out
 
 
-def _checked(op: str, case, lay, reads: dict, named: dict) -> dict:
-    """``named`` when :func:`dsv4_oracle.outputs.unusable` finds nothing wrong with it, else an
-    :class:`OpError` (``kind="result"``) naming the op, the output and what was expected."""
-    bad = unusable(op, case, lay, reads, named)
-    if bad is not None:
-        raise OpError(op, f"returned an unusable {bad[0]}: {bad[1]}", "result", output=bad[0])
-    return named
+# stages whose outputs are judged together (a Top-K's ids with its lengths, a CSA row's ids
+# with its lengths): when one is unusable, the other is not judged either
+_JOINT = ("stable_topk", "build_csa_indices")
 
 
-def _call(adapter: Adapter, backends: dict, st: "Stage", case, lay, reads: dict, args,
-          kwargs) -> tuple:
-    """The adapter's op of stage ``st``: its outputs (private copies), checked the moment it
-    returns (:func:`_checked`); any failure is an :class:`OpError`."""
+def _unusable_outputs(st: "Stage", case, lay, reads: dict, named: dict) -> tuple:
+    """``(error, usable)`` for the outputs ``named`` of stage ``st``: ``error`` ``None`` when
+    every output follows :mod:`dsv4_oracle.outputs`, else an :class:`OpError`
+    (``kind="result"``) naming the first that does not and what was expected; ``usable`` the
+    outputs that may still be judged (none of a joint stage's)."""
+    bad = {}
+    for name, t in named.items():
+        why = unusable(st.op, case, lay, reads, {name: t})
+        if why is not None:
+            bad[name] = why[1]
+    if not bad:
+        return None, named
+    first = next(iter(bad))
+    error = OpError(st.op, f"returned an unusable {first}: {bad[first]}", "result", output=first)
+    usable = {} if st.op in _JOINT else {n: t for n, t in named.items() if n not in bad}
+    return error, usable
+
+
+def _call(adapter: Adapter, backends: dict, st: "Stage", args, kwargs) -> dict:
+    """The adapter's op of stage ``st``: its outputs by name (private copies of what it
+    returned); a failure (it raised, exited, wrote into an argument, returned no tuple of
+    tensors) is an :class:`OpError`."""
     op = st.op
 
     def result(res):
         named = dict(zip(st.writes, _fields(op, res, len(st.writes), "result")))
         b = getattr(res, "backend", None)
         backends[op] = text(b) if isinstance(b, str) else adapter.name
-        return _checked(op, case, lay, reads, named)
-    named = call_op(adapter.op(op), op, args, kwargs, result=result)
-    return tuple(named[w] for w in st.writes)
+        return named
+    return call_op(adapter.op(op), op, args, kwargs, result=result)
 
 
 def _moved(v: dict, device) -> dict:
@@ -253,8 +269,10 @@ def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True)
 
     An op that fails (raises, exits, writes into an argument, or returns something unusable:
     :mod:`dsv4_oracle.outputs`) is recorded in ``Run.failed`` and stood in for exactly like an
-    op the adapter lacks; every later stage still runs and is judged. Only an op that overruns
-    its time limit raises :class:`OpError` (the implementation may still be running).
+    op the adapter lacks; every later stage still runs and is judged, and so are the failed
+    op's usable outputs where they are judged one by one (not a joint stage's, ``_JOINT``).
+    Only an op that overruns its time limit raises :class:`OpError` (the implementation may
+    still be running).
     """
     dev = adapter.device
     lay = case.layout()
@@ -276,14 +294,18 @@ def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True)
         if use[s.op]:
             args, kw = s.call(case, lay, _moved(v, dev))
             try:
-                res = _call(adapter, backends, s, case, lay, v, args, kw)
-                got.update(zip(s.writes, res))
-                con.update(zip(s.writes, res))
-                continue
+                named = _call(adapter, backends, s, args, kw)
             except OpError as exc:
                 if exc.kind == "timeout":
                     raise
                 failed[s.op] = exc
+            else:
+                error, usable = _unusable_outputs(s, case, lay, v, named)
+                got.update(usable)              # judged, even when another output is not
+                if error is None:
+                    con.update(named)
+                    continue
+                failed[s.op] = error
             if not any(set(s.writes) & {"lengths" if r == "att_lengths" else r
                                         for r in t.reads} for t in order[i + 1:]):
                 continue                 # nothing later reads what the failed op made
@@ -329,9 +351,10 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
 
     The forward's outputs are copied (and checked, :mod:`dsv4_oracle.outputs`) when the forward
     returns, before the backward runs: they are judged as the caller saw them. An output that
-    is unusable leaves out its stage's outputs (``Run.failed``, keyed by that stage's op), and a
-    backward that fails leaves out the gradients (key ``"csa_layer backward"``); the rest is
-    still judged. A forward that fails raises :class:`OpError`."""
+    is unusable is left out (with the other output of a joint stage: ``_JOINT``), recorded in
+    ``Run.failed`` under that stage's op, and a backward that fails leaves out the gradients
+    (key ``"csa_layer backward"``); the rest is still judged. A forward that fails raises
+    :class:`OpError`."""
     op = "csa_layer"
     lay = case.layout()
     train = backward and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
@@ -381,12 +404,11 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
         outs = {w: fwd[w] for w in st.writes if w in fwd}
         if not outs or not st.applies(case):
             continue
-        bad = unusable(st.op, case, lay, {r: _read(case, r, x, got) for r in st.reads}, outs)
-        if bad is None:
-            got.update(outs)
-        else:
-            failed[st.op] = OpError(op, f"returned an unusable {bad[0]}: {bad[1]}", "result",
-                                    output=bad[0])
+        error, usable = _unusable_outputs(st, case, lay,
+                                          {r: _read(case, r, x, got) for r in st.reads}, outs)
+        got.update(usable)
+        if error is not None:
+            failed[st.op] = OpError(op, error.message, "result", output=error.output)
     if train:
         loss_only: dict = {}
 

@@ -393,6 +393,8 @@ def arg_names(op: str) -> tuple:
 def _twin(t: torch.Tensor) -> torch.Tensor:
     """A private copy of ``t`` with its shape, strides and dtype (no autograd history)."""
     with torch.no_grad():
+        if t.layout != torch.strided:      # a sparse tensor: a copy, whatever its layout
+            return t.detach().clone()
         try:
             c = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
             c.copy_(t)
@@ -513,9 +515,12 @@ class Watched:
         self.phase = ""
 
     def hold(self, op: str, originals: dict, copies: dict) -> None:
-        for name, t in originals.items():
+        kept = {n: t for n, t in originals.items()        # tensors that hold values
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided
+                and t.device.type != "meta"}
+        for name, t in kept.items():
             self.entries.append((self.tag, op, name, t, copies[name]))
-        self.held[self.tag] = self.held.get(self.tag, 0) + len(originals)
+        self.held[self.tag] = self.held.get(self.tag, 0) + len(kept)
 
     def verify(self, by_op: str | None = None) -> None:
         """Compare every kept tensor with its copy; a changed one becomes a finding (once)."""

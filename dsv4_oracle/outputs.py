@@ -137,6 +137,8 @@ def _finite_rows(t: torch.Tensor, dims: int) -> torch.Tensor:
 
 
 def _scores_pattern(case, lay, v: dict, got: dict) -> tuple | None:
+    if "scores" not in got:
+        return None
     s = got["scores"].detach()
     if not s.numel():
         return None
@@ -170,6 +172,8 @@ def _scores_pattern(case, lay, v: dict, got: dict) -> tuple | None:
 
 
 def _selection_pattern(case, lay, v: dict, got: dict) -> tuple | None:
+    if "cmp_ids" not in got:
+        return None
     ids = got["cmp_ids"].detach()
     if not ids.numel() or not case.ratio:
         return None

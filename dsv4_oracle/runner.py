@@ -9,13 +9,18 @@ For each case (data flowing one way: case -> inputs -> implementation -> compari
    and after: grad-mode parity and no-mutation (section 11);
 3. the grad-enabled run is judged against the oracle on the inputs it consumed
    (:func:`dsv4_oracle.conformance.judge`: exact checks and error/bound ratios, section 12);
-4. ``replays - 1`` more runs must reproduce the first bit for bit (section 11).
+4. ``replays - 1`` more runs must reproduce the first bit for bit (section 11);
+5. one more run on inputs drawn from another seed (the next call of real use), not judged;
+6. ``outputs_stable`` (section 11): the tensors the judged run returned, kept
+   (:func:`dsv4_oracle.invoke.watching`), still hold the bits they were judged with after
+   every later call of the case and at its end.
 
 Every call into the implementation goes through :func:`dsv4_oracle.invoke.call_op`: an op
-that raises, exits, overruns the per-op timeout (``timeout``) or returns something that is not
-the protocol's result fails the case's ``run`` check with the reason; an op that writes into an
-argument it was handed fails its ``no_mutation`` check (naming the argument and the elements);
-neither aborts the run. The precision the error model assumes is resolved per op
+that raises, exits or returns something unusable fails its ``run`` check (under the quantity of
+the unusable output) with the reason, and one that writes into an argument it was handed its
+``no_mutation`` check (naming the argument and the elements); the oracle stands in for it and
+the level goes on (:func:`dsv4_oracle.conformance.run_ops`). An op that overruns the per-op
+timeout (``timeout``) ends its level; nothing aborts the run. The precision the error model assumes is resolved per op
 (``Adapter.precision(dtype, op)``) and recorded per case; a declared precision looser than the
 default is flagged (:func:`precision_summary`). Nothing here prints: the ``progress`` callback
 and :mod:`dsv4_oracle.report` present the results.
