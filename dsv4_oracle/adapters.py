@@ -50,8 +50,9 @@ from .invoke import Overrun, describe
 from .protocol import ALL_OPS, LAYER_OP, OPS
 
 __all__ = [
-    "OPS", "LAYER_OP", "ALL_OPS", "BUILTIN", "AdapterError", "AdapterTypeError", "Adapter", "load_adapter",
-    "default_impl", "default_precision", "looser_than_default", "GpuImplAdapter", "checked_ops",
+    "OPS", "LAYER_OP", "ALL_OPS", "BUILTIN", "AdapterError", "AdapterTypeError", "Adapter",
+    "load_adapter", "default_impl", "default_precision", "looser_than_default", "GpuImplAdapter",
+    "checked_ops",
 ]
 
 BUILTIN = ("reference", "gpu_impl:torch", "gpu_impl:cudnn")

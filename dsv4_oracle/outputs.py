@@ -206,8 +206,9 @@ def _attention_pattern(case, lay, v: dict, got: dict) -> tuple | None:
         r0 = rows.start
         idc = ids[rows].to(dev, torch.int64)
         ln = None if lengths is None else lengths[rows].to(dev, torch.int64)
-        valid = valid_slots(idc, S, ln) if idc.numel() else \
-            torch.zeros(idc.shape, dtype=torch.bool, device=dev)
+        with torch.device(dev):          # the oracle's rule, on the outputs' device
+            valid = valid_slots(idc, S, ln) if idc.numel() else \
+                torch.zeros(idc.shape, dtype=torch.bool)
         empty = (~valid.any(dim=1) if valid.shape[1] else
                  torch.ones(idc.shape[0], dtype=torch.bool, device=dev)).unsqueeze(1)
         if lse is not None:

@@ -20,9 +20,9 @@ that raises, exits or returns something unusable fails its ``run`` check (under 
 the unusable output) with the reason, and one that writes into an argument it was handed its
 ``no_mutation`` check (naming the argument and the elements); the oracle stands in for it and
 the level goes on (:func:`dsv4_oracle.conformance.run_ops`). An op that overruns the per-op
-timeout (``timeout``) ends its level; nothing aborts the run. The precision the error model assumes is resolved per op
-(``Adapter.precision(dtype, op)``) and recorded per case; a declared precision looser than the
-default is flagged (:func:`precision_summary`). Nothing here prints: the ``progress`` callback
+timeout (``timeout``) ends its level; nothing aborts the run. The precision the error model
+assumes is resolved per op (``Adapter.precision(dtype, op)``) and recorded per case; a declared
+precision looser than the default is flagged (:func:`precision_summary`). Nothing here prints: the ``progress`` callback
 and :mod:`dsv4_oracle.report` present the results.
 """
 from __future__ import annotations
