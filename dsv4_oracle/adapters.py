@@ -53,13 +53,14 @@ import torch
 from dsv4_oracle.reference.error_model import ORACLE_PRECISION, Precision
 from dsv4_oracle.reference.contract_policies import resolve_policies
 
-from .invoke import describe
+from .invoke import Overrun, describe
 from .protocol import ALL_OPS, LAYER_OP, OPS
 from .wording import did_you_mean, misspelling_of
 
 __all__ = [
-    "OPS", "LAYER_OP", "ALL_OPS", "BUILTIN", "AdapterError", "Adapter", "load_adapter",
-    "default_impl", "default_precision", "looser_than_default", "GpuImplAdapter", "checked_ops",
+    "OPS", "LAYER_OP", "ALL_OPS", "BUILTIN", "AdapterError", "AdapterTypeError", "Adapter",
+    "load_adapter", "default_impl", "default_precision", "looser_than_default", "GpuImplAdapter",
+    "checked_ops",
 ]
 
 BUILTIN = ("reference", "gpu_impl:torch", "gpu_impl:cudnn")
@@ -67,6 +68,11 @@ BUILTIN = ("reference", "gpu_impl:torch", "gpu_impl:cudnn")
 
 class AdapterError(Exception):
     """An adapter cannot be loaded or cannot run here; the message is one line for the user."""
+
+
+class AdapterTypeError(AdapterError, TypeError):
+    """An :class:`AdapterError` about a value of the wrong type (a precision that is not a
+    :class:`Precision`)."""
 
 
 def default_precision(dtype: torch.dtype) -> Precision:
@@ -92,7 +98,7 @@ def _guarded(what: str, fn: Callable, *args):
     or a ``SystemExit``, is an :class:`AdapterError` (one line) naming ``what``."""
     try:
         return fn(*args)
-    except (AdapterError, KeyboardInterrupt):
+    except (AdapterError, KeyboardInterrupt, Overrun):
         raise
     except BaseException as exc:       # the adapter's own code: never a traceback, never exit
         raise AdapterError(f"{what}: {describe(exc)}") from None
@@ -225,12 +231,12 @@ class Adapter:
             return p
         what = f"adapter {self.spec}: precision({dtype})" + (f" for {op}" if op else "")
         if not callable(p):
-            raise AdapterError(f"{what} is a {type(p).__name__}, expected a Precision or a "
-                               f"callable dtype -> Precision")
+            raise AdapterTypeError(f"{what} is a {type(p).__name__}, expected a Precision or "
+                                   f"a callable dtype -> Precision")
         got = _guarded(what, p, dtype)
         if not isinstance(got, Precision):
-            raise AdapterError(f"{what} returned {type(got).__name__}, expected "
-                               f"dsv4_oracle.reference.error_model.Precision")
+            raise AdapterTypeError(f"{what} returned {type(got).__name__}, expected "
+                                   f"dsv4_oracle.reference.error_model.Precision")
         return got
 
     def unavailable(self) -> str | None:
@@ -369,6 +375,8 @@ def checked_ops(adapter: "Adapter", ops) -> tuple[str, ...] | None:
     if ops is None:
         return None
     ops = tuple(ops)
+    if not ops:
+        raise ValueError(f"names no op; ops are {', '.join(ALL_OPS)}")
     unknown = [o for o in ops if o not in ALL_OPS]
     if unknown:
         raise ValueError(f"unknown op {unknown[0]!r}; ops are {', '.join(ALL_OPS)}"

@@ -7,11 +7,14 @@ input immutability (:mod:`dsv4_oracle.runner`), then prints a summary table and 
 writes ``report.json`` / ``report.md`` / PNG plots and a JUnit file (:mod:`dsv4_oracle.report`).
 
 Exit status: 0 when every check holds, 1 when a check fails (an op that raises, exits, hangs
-past ``--timeout`` or writes into its arguments fails its checks), 2 for a bad invocation (an
-unknown case, an adapter that cannot be imported, made or inspected or lacks an op, a device
-that cannot hold the inputs, a CUDA implementation on a machine without CUDA, a selection that
-judges nothing): one line on stderr, no traceback; 130 when interrupted (Ctrl-C), with one
-line. The process never exits 0 without a verdict.
+past ``--timeout``, writes into its arguments or returns something unusable fails its checks;
+an op that no interrupt reaches ends the process with status 1 and one line), 2 for a bad
+invocation (an unknown case, a bad option value such as ``--timeout 1e12``, a ``--report`` or
+``--junit`` path that cannot be written, an adapter that cannot be imported, made or inspected
+within ``--timeout`` or lacks an op, a device that cannot hold the inputs, a CUDA
+implementation on a machine without CUDA, a selection that judges nothing): one line on
+stderr, no traceback, before anything runs; 130 when interrupted (Ctrl-C), with one line. The
+process never exits 0 without a verdict.
 """
 from __future__ import annotations
 
@@ -73,8 +76,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--replays", type=int, default=3, metavar="N",
                    help="bitwise replays per case and level (default 3; below 2: no replay check)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                   help=f"an op call that does not return within SECONDS fails (default "
-                        f"{DEFAULT_TIMEOUT_S:g}; 0: no limit)")
+                   help=f"an op call that does not return within SECONDS fails; loading the "
+                        f"adapter (import, construction) gets the same limit (default "
+                        f"{DEFAULT_TIMEOUT_S:g}; 0: no limit; at most 1e6)")
     p.add_argument("--precision", choices=("adapter", "default"), default="adapter",
                    help="the working precision the error model assumes: the adapter's "
                         "declaration (default; a declaration looser than the default is "
@@ -129,15 +133,17 @@ def main_check(args) -> int:
 
 
 def _main_check(args) -> int:
-    from .adapters import AdapterError, checked_ops, default_impl, load_adapter
+    from .adapters import AdapterError
+    from .invoke import bounded, check_timeout
     from .runner import SelectionError, run_check, select_cases
     from .wording import plural
 
     if args.replays < 0:
         return _usage_error(f"--replays must be >= 0, got {args.replays}")
-    if not args.timeout >= 0 or args.timeout == float("inf"):
-        return _usage_error(f"--timeout must be a number of seconds >= 0 (0: no limit), got "
-                            f"{args.timeout:g}")
+    try:
+        timeout = check_timeout(args.timeout, "--timeout")
+    except (TypeError, ValueError) as exc:
+        return _usage_error(str(exc))
     if args.shape:
         if args.case or args.catalog:
             return _usage_error("--shape builds its own cases: leave out --case and --catalog")
@@ -176,32 +182,19 @@ def _main_check(args) -> int:
             return _usage_error(f"--device {args.device}: this machine has no usable CUDA device "
                                 f"(torch.cuda.is_available() is False); leave out --device to "
                                 f"run on the adapter's own device")
-    spec = default_impl() if args.impl is None else args.impl
-    try:
-        adapter = load_adapter(spec, device=args.device)
-    except AdapterError as exc:
-        return _usage_error(str(exc))
-    why = adapter.unavailable()
+    ops = None
+    if args.ops is not None:
+        ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    why = _outputs_problem(args)
     if why:
         return _usage_error(why)
-    if args.precision == "default":
-        adapter.use_default_precision()
-    if args.policy:
-        try:
-            pol, opts = _parse_policies(args.policy)
-            adapter.set_policies(pol, **opts)
-        except (TypeError, ValueError) as exc:
-            return _usage_error(f"--policy: {exc}")
-    try:
-        ops = checked_ops(adapter, [o.strip() for o in args.ops.split(",") if o.strip()]
-                          if args.ops else None)
-    except ValueError as exc:
-        return _usage_error(f"--ops: {exc}")
-    try:                # the adapter's precision for every op and dtype, before anything runs
-        for dtype in {c.torch_dtype for c in cases}:
-            for op in (o for o in adapter.ops if ops is None or o in ops):
-                adapter.precision(dtype, op=op)
-    except AdapterError as exc:
+    from .adapters import default_impl
+    spec = default_impl() if args.impl is None else args.impl
+    try:                # the adapter's own code (import, construction, attributes), bounded
+        adapter, ops = bounded(lambda: _load(spec, args, ops, cases),
+                               f"loading the adapter {spec}",
+                               timeout=timeout, hard_exit=True)
+    except (AdapterError, TimeoutError) as exc:
         return _usage_error(str(exc))
 
     from .progress import ProgressBar, progress_enabled
@@ -210,7 +203,7 @@ def _main_check(args) -> int:
     try:
         result = run_check(adapter, cases, catalog=catalog, patterns=args.case or args.shape,
                            replays=args.replays, ops=ops, progress=bar,
-                           timeout=args.timeout or None, hard_exit=True,
+                           timeout=timeout, hard_exit=True,
                            oracle_device=args.oracle_device)
     finally:
         bar.close()
@@ -232,6 +225,78 @@ def _main_check(args) -> int:
     return rc
 
 
+def _load(spec, args, ops, cases):
+    """``(adapter, ops)``: the adapter loaded and inspected (its device, ``unavailable()``, the
+    ops selected, its precision for every op and dtype) before anything runs;
+    :class:`AdapterError` (one line) for anything wrong."""
+    from .adapters import AdapterError, checked_ops, load_adapter
+
+    adapter = load_adapter(spec, device=args.device)
+    why = adapter.unavailable()
+    if why:
+        raise AdapterError(why)
+    if args.precision == "default":
+        adapter.use_default_precision()
+    if args.policy:
+        try:
+            pol, opts = _parse_policies(args.policy)
+            adapter.set_policies(pol, **opts)
+        except (TypeError, ValueError) as exc:
+            raise AdapterError(f"--policy: {exc}") from None
+    try:
+        ops = checked_ops(adapter, ops)
+    except ValueError as exc:
+        raise AdapterError(f"--ops: {exc}") from None
+    for dtype in {c.torch_dtype for c in cases}:
+        for op in (o for o in adapter.ops if ops is None or o in ops):
+            adapter.precision(dtype, op=op)
+    return adapter, ops
+
+
+# the files --report DIR writes
+REPORT_FILES = ("report.json", "report.md", "ratios.png", "worst_case.png")
+
+
+def _writable(directory: str, option: str, path: str) -> str | None:
+    """Why nothing can be written into ``directory`` (created if missing), or ``None``."""
+    import tempfile
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".dsv4-oracle-probe-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"{option} {path!r}: cannot write into {directory!r}: {exc.strerror or exc}"
+    return None
+
+
+def _outputs_problem(args) -> str | None:
+    """Why ``--report`` / ``--junit`` cannot be written (checked before the run, so that a bad
+    path is a usage error, never a failure after the verdict), or ``None``."""
+    if args.report is not None:
+        if not args.report.strip():
+            return "--report must name a directory, got ''"
+        if os.path.exists(args.report) and not os.path.isdir(args.report):
+            return f"--report {args.report!r} exists and is not a directory"
+        why = _writable(args.report, "--report", args.report)
+        if why:
+            return why
+    if args.junit is not None:
+        if not args.junit.strip():
+            return "--junit must name a file, got ''"
+        if os.path.isdir(args.junit):
+            return f"--junit {args.junit!r} is a directory, not a file"
+        junit = os.path.realpath(args.junit)
+        if args.report is not None and junit in {
+                os.path.realpath(os.path.join(args.report, f)) for f in REPORT_FILES}:
+            return (f"--junit {args.junit!r} is one of the files --report {args.report!r} "
+                    f"writes ({', '.join(REPORT_FILES)})")
+        why = _writable(os.path.dirname(junit), "--junit", args.junit)
+        if why:
+            return why
+    return None
+
+
 def _present(result, args) -> int:
     """Print the summary, write the report files; the exit status of the verdict."""
     from .report import format_summary, write_junit, write_report
@@ -249,5 +314,6 @@ def _present(result, args) -> int:
             write_junit(result, args.junit)
             print(f"junit: {args.junit}")
     except OSError as exc:
-        return _usage_error(f"cannot write the report: {exc}")
+        print(f"dsv4-oracle check: error: cannot write the report: {exc}", file=sys.stderr)
+        return EXIT_FAILED if not result.passed else EXIT_USAGE
     return EXIT_OK if result.passed else EXIT_FAILED

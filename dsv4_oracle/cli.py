@@ -47,13 +47,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def printable_streams() -> None:
+    """stdout and stderr write any text: a character their encoding lacks (an ASCII terminal, a
+    lone surrogate in an adapter's message) is written as a backslash escape, never an error."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError, OSError):
+            pass
+
+
 def main(argv=None) -> int:
+    printable_streams()
     try:
         try:
             args = build_parser().parse_args(argv)
         except SystemExit as exc:          # a usage error (one line) or --help
             return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()                 # a closed stdout shows here, not at interpreter exit
+        return rc
     except BrokenPipeError:                # stdout closed early (``| head``): no traceback
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

@@ -363,12 +363,23 @@ def _mismatch_mask(a: torch.Tensor, e: torch.Tensor, bitwise: bool) -> torch.Ten
     return a.to(torch.int64) != e.to(torch.int64)
 
 
-def compare_exact(name: str, actual, expected, *, bitwise: bool = False) -> CheckResult:
-    """Sections 4, 5 and 12: exact equality (an empty comparison is not judged).
+def _dtype_kind(t: torch.Tensor) -> str:
+    if t.dtype == torch.bool:
+        return "bool"
+    if t.is_complex():
+        return "complex"
+    return "floating-point" if t.is_floating_point() else "integer"
 
-    ``bitwise=False``: equal values (``-0.0 == +0.0``, NaN equals NaN; integer dtypes compared
-    as values, so int32 ids match int64 ids). ``bitwise=True``: identical dtype and bits.
-    Reports the number of mismatching elements and the first one.
+
+def compare_exact(name: str, actual, expected, *, bitwise: bool = False) -> CheckResult:
+    """Sections 4, 5 and 12: exact equality of dtype kind and values (an empty comparison is
+    not judged).
+
+    ``bitwise=False``: the same kind of dtype (integer, floating point, bool, complex: float
+    ids never equal integer ids, whatever their values) and equal values (``-0.0 == +0.0``,
+    NaN equals NaN; integer dtypes compared as values, so int32 ids match int64 ids).
+    ``bitwise=True``: identical dtype and bits. Reports the number of mismatching elements and
+    the first one.
     """
     name = _name(name)
     a = _tensor(actual, "actual")
@@ -382,6 +393,11 @@ def compare_exact(name: str, actual, expected, *, bitwise: bool = False) -> Chec
     if bitwise and a.dtype != e.dtype:
         return CheckResult(name, "exact", False, None, None,
                            f"dtype {a.dtype} != expected {e.dtype} (bitwise comparison)")
+    if _dtype_kind(a) != _dtype_kind(e):
+        return CheckResult(name, "exact", False, None, None,
+                           f"dtype {a.dtype} is {_dtype_kind(a)}, expected {_dtype_kind(e)} "
+                           f"like {e.dtype}", {"dtype": str(a.dtype),
+                                               "expected_dtype": str(e.dtype)})
     bad = _mismatch_mask(a, e, bitwise).reshape(-1)
     nbad = int(bad.sum())
     n = bad.numel()

@@ -20,11 +20,14 @@ the same arguments as the adapter's op.
   the oracle's own earlier outputs): the reference outputs the regression store keeps, the CP
   lane compares against and the oracle benchmark times (:func:`oracle_stage` is one step).
 - :func:`run_ops`: the op-level pipeline. Each stage the adapter provides runs on what the
-  previous stages produced; a stage it lacks, but whose outputs a later stage reads, is replaced
+  previous stages produced, and its outputs are checked the moment it returns
+  (:mod:`dsv4_oracle.outputs`); a stage it lacks, or one that fails (raises, writes into an
+  argument, returns something unusable), is replaced, where a later stage reads its outputs,
   by the oracle's result rounded as a kernel stores it (:attr:`Stage.stored`).
-- :func:`run_layer`: the packed layer (``csa_layer``): forward, then autograd backward of
-  ``out`` (upstream ``dout``) and of the indexer loss (upstream 1), and of the loss alone
-  (section 8: its gradients on ``q``, ``kv`` and the sink must be exact zeros).
+- :func:`run_layer`: the packed layer (``csa_layer``): forward (its outputs copied and checked
+  when it returns), then autograd backward of ``out`` (upstream ``dout``) and of the indexer
+  loss (upstream 1), and of the loss alone (section 8: its gradients on ``q``, ``kv`` and the
+  sink must be exact zeros).
 - :func:`judge`: stage by stage, in pipeline order, the oracle on what that stage consumed,
   with its bound (``reference.error_model``) and its primitive check (``compare``). A stage
   that reads an output whose own check found it unusable (a non-finite pattern or a shape the
@@ -51,7 +54,8 @@ from dsv4_oracle.reference._checks import as_device, compute_on, to_cpu
 from .adapters import Adapter
 from .hints import (AXES, PRECISION_VARIANTS, SINK_VARIANTS, concentration_hint,
                     looser_precision, nonfinite_pattern, what_is_wrong)
-from .invoke import OpError, call_op
+from .invoke import OpError, call_op, text
+from .outputs import unusable
 from .compare import (CheckResult, compare_exact, compare_numeric, compare_topk, content_hash,
                       error_ratios, near_tie_rows, not_judged, row_chunks)
 
@@ -97,6 +101,7 @@ QUANTITIES = {
     "replays": ("11", "bitwise identical replays"),
     "grad_modes": ("11", "identical bits in no_grad / inference_mode / grad-enabled"),
     "no_mutation": ("11", "no input modified"),
+    "outputs_stable": ("11", "returned tensors keep their bits after they are returned"),
     "run": ("-", "the implementation ran without raising"),
 }
 
@@ -113,14 +118,17 @@ IO = "io"                       # Stage.stored: the case's input dtype
 
 class Run(NamedTuple):
     """One pipeline run: ``got`` the adapter's outputs (judged), ``consumed`` what each op was
-    fed (the adapter's outputs, or the oracle's where the adapter lacks the op; plus
-    ``"backward_convention"`` when the adapter pins one, and ``"not_run"``, op -> reason, when
-    the pipeline stopped because the oracle could not stand in for a missing op on the
-    adapter's outputs), ``backends`` op -> the backend that ran it."""
+    fed (the adapter's outputs, or the oracle's where the adapter lacks the op or the op
+    failed; plus ``"backward_convention"`` when the adapter pins one, and ``"not_run"``, op ->
+    reason, when the pipeline stopped because the oracle could not stand in for a missing op
+    on the adapter's outputs), ``backends`` op -> the backend that ran it, ``failed`` op ->
+    the :class:`OpError` of an op that raised, exited, wrote into an argument or returned
+    something unusable (its outputs are not in ``got``)."""
 
     got: dict
     consumed: dict
     backends: dict
+    failed: dict
 
 
 def tensors_of(d: dict) -> dict:
@@ -174,11 +182,15 @@ def _loss(case) -> bool:
 
 # which quantity's checks vouch for a read (cmp_lengths is judged with cmp_ids)
 _QUANTITY_OF = {"cmp_lengths": "cmp_ids", "att_lengths": "lengths", "loss_ids": "cmp_ids",
-                "loss_lse": "lse", "kv": "kv_cmp", "dkv_cmp": "dkv"}
+                "loss_lse": "lse", "teacher_ids": "cmp_ids", "kv": "kv_cmp", "dkv_cmp": "dkv"}
 # the indexer loss's key set and normaliser (section 8): the Top-K selection and the
 # attention's lse under the sparse teacher; under the dense teacher (section 5.2) every visible
-# compressed key and each head's log-sum-exp over them
-_LOSS_READS = {"loss_ids": "cmp_ids", "loss_lse": "lse"}
+# compressed key and each head's log-sum-exp over them. The loss op is handed the selection
+# and the lse either way (a dense teacher finds its keys and normalisers itself: handed the
+# dense ones, a sparse implementation would pass); the oracle reads the policy's, and the
+# gradient op is handed the key set its target and predict are laid out on ("teacher_ids").
+_LOSS_READS = {"loss_ids": "cmp_ids", "loss_lse": "lse", "teacher_ids": "cmp_ids"}
+_HANDED = ("loss_ids", "loss_lse")
 
 
 def oracle_layout(case, policies=None):
@@ -208,7 +220,7 @@ def _dense_read(case, name: str, x: dict, con: dict, produced, pol):
     visible to a row (``[T, C]``, slot ``c`` = id ``c``), and each head's log-sum-exp over them
     (the oracle's, float64, rounded to float32 as a kernel stores statistics)."""
     ids = oracle_layout(case, pol).visible_compressed_ids(case.ratio)
-    if name == "loss_ids":
+    if name in ("loss_ids", "teacher_ids"):
         return ids
     q, kc, sink = (_read(case, r, x, con, produced, pol) for r in ("q", "kv_cmp", "sink"))
     q, kc, sink = (t.detach().to("cpu") for t in (q, kc, sink))
@@ -217,14 +229,16 @@ def _dense_read(case, name: str, x: dict, con: dict, produced, pol):
 
 
 def _read(case, name: str, x: dict, con: dict, produced: Callable | None = None,
-          pol: dict | None = None):
+          pol: dict | None = None, oracle: bool = True):
     """The value a stage reads under ``name``: what the pipeline consumed (``con``), else the
     oracle's output for a name an applicable stage produces (``produced``), else the case's
     inputs (``index_scores`` for a layer case with given scores; ``None`` for the compressed
-    selection of a layer without one). ``loss_ids`` / ``loss_lse``: the indexer loss's key set
-    and normaliser under the teacher policy of ``pol`` (default: the contract's)."""
+    selection of a layer without one). ``loss_ids`` / ``loss_lse`` / ``teacher_ids``: the
+    indexer loss's key set and normaliser under the teacher policy of ``pol`` (default: the
+    contract's); ``oracle=False``: what the adapter's loss op is handed (:data:`_HANDED`)."""
     if name in _LOSS_READS:
-        if pol is not None and pol["teacher"] == "dense":
+        dense = pol is not None and pol["teacher"] == "dense"
+        if dense and (oracle or name not in _HANDED):
             return _dense_read(case, name, x, con, produced, pol)
         return _read(case, _LOSS_READS[name], x, con, produced, pol)
     if name == "att_lengths":
@@ -277,25 +291,56 @@ def _stored(case, dtype):
 # ---------------------------------------------------------------------------------------------
 # running an adapter
 # ---------------------------------------------------------------------------------------------
-def _fields(op: str, res, n: int) -> tuple:
+def _fields(op: str, res, n: int, kind: str = "error") -> tuple:
     """The first ``n`` tensor fields of an op's result (a tensor when ``n == 1``, or a
-    tuple/NamedTuple); anything else is an :class:`OpError`."""
+    tuple/NamedTuple); anything else is an :class:`OpError` of ``kind``."""
     if n == 1 and isinstance(res, torch.Tensor):
         return (res,)
     if not isinstance(res, (tuple, list)) or len(res) < n:
-        raise OpError(op, f"returned {type(res).__name__}, expected a tuple of {n} tensors")
+        raise OpError(op, f"returned {type(res).__name__}, expected a tuple of {n} tensors", kind)
     out = tuple(res[:n])
     for i, t in enumerate(out):
         if not isinstance(t, torch.Tensor):
-            raise OpError(op, f"field {i} of its result is {type(t).__name__}, not a tensor")
+            raise OpError(op, f"field {i} of its result is {type(t).__name__}, not a tensor",
+                          kind)
     return out
 
 
-def _call(adapter: Adapter, backends: dict, op: str, n: int, *args, **kwargs) -> tuple:
-    res = call_op(adapter.op(op), op, args, kwargs)
-    b = getattr(res, "backend", None)
-    backends[op] = b if isinstance(b, str) else adapter.name
-    return _fields(op, res, n)
+# stages whose outputs are judged together (a Top-K's ids with its lengths, a CSA row's ids
+# with its lengths): when one is unusable, the other is not judged either
+_JOINT = ("stable_topk", "build_csa_indices")
+
+
+def _unusable_outputs(st: "Stage", case, lay, reads: dict, named: dict) -> tuple:
+    """``(error, usable)`` for the outputs ``named`` of stage ``st``: ``error`` ``None`` when
+    every output follows :mod:`dsv4_oracle.outputs`, else an :class:`OpError`
+    (``kind="result"``) naming the first that does not and what was expected; ``usable`` the
+    outputs that may still be judged (none of a joint stage's)."""
+    bad = {}
+    for name, t in named.items():
+        why = unusable(st.op, case, lay, reads, {name: t})
+        if why is not None:
+            bad[name] = why[1]
+    if not bad:
+        return None, named
+    first = next(iter(bad))
+    error = OpError(st.op, f"returned an unusable {first}: {bad[first]}", "result", output=first)
+    usable = {} if st.op in _JOINT else {n: t for n, t in named.items() if n not in bad}
+    return error, usable
+
+
+def _call(adapter: Adapter, backends: dict, st: "Stage", args, kwargs) -> dict:
+    """The adapter's op of stage ``st``: its outputs by name (private copies of what it
+    returned); a failure (it raised, exited, wrote into an argument, returned no tuple of
+    tensors) is an :class:`OpError`."""
+    op = st.op
+
+    def result(res):
+        named = dict(zip(st.writes, _fields(op, res, len(st.writes), "result")))
+        b = getattr(res, "backend", None)
+        backends[op] = text(b) if isinstance(b, str) else adapter.name
+        return named
+    return call_op(adapter.op(op), op, args, kwargs, result=result)
 
 
 def _moved(v: dict, device) -> dict:
@@ -311,6 +356,9 @@ def _pinned_convention(adapter: Adapter, op: str) -> str | None:
     return conv
 
 
+_STOOD_IN = "; the oracle's result, rounded as a kernel stores it, stood in for it downstream"
+
+
 def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True,
             policies=None, probe: bool = False) -> Run:
     """The op-level pipeline of ``case`` on the inputs ``x`` (on ``adapter.device``).
@@ -322,7 +370,13 @@ def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True,
     A stage runs when the adapter provides it, or (as the oracle, rounded per
     :attr:`Stage.stored`, under ``policies``: the policies of section 5.2 the adapter follows)
     when a later stage that runs reads one of its outputs.
-    Raises :class:`OpError` when an op raises or returns a malformed result.
+
+    An op that fails (raises, exits, writes into an argument, or returns something unusable:
+    :mod:`dsv4_oracle.outputs`) is recorded in ``Run.failed`` and stood in for exactly like an
+    op the adapter lacks; every later stage still runs and is judged, and so are the failed
+    op's usable outputs where they are judged one by one (not a joint stage's, ``_JOINT``).
+    Only an op that overruns its time limit raises :class:`OpError` (the implementation may
+    still be running).
     """
     dev = adapter.device
     lay = case.layout()
@@ -330,45 +384,71 @@ def run_ops(adapter: Adapter, case, x: dict, *, ops=None, backward: bool = True,
     olay = oracle_layout(case, pol)
     stages = [s for s in STAGES if s.applies(case) and (backward or s.op not in BACKWARD_OPS)]
     use = {s.op: adapter.has(s.op) and (ops is None or s.op in ops) for s in stages}
+    needs = lambda s: {n for r in s.reads for n in _needs(case, _LOSS_READS.get(r, r))}  # noqa: E731
     wanted: set = set()
     runs = []
     for s in reversed(stages):
         if use[s.op] or wanted & set(s.writes):
             runs.append(s)
-            wanted |= {n for r in s.reads for n in _needs(case, _LOSS_READS.get(r, r))}
+            wanted |= needs(s)
     got: dict = {}
     con: dict = {}
     backends: dict = {}
+    failed: dict = {}
     order = runs[::-1]
     for i, s in enumerate(order):
         v = {r: _read(case, r, x, con, pol=pol) for r in s.reads}
         if use[s.op]:
-            args, kw = s.call(case, lay, _moved(v, dev))
+            # the adapter reads what it is handed (the loss: the Top-K selection and the
+            # attention's lse, whatever its teacher); the oracle reads under the policies
+            va = {r: _read(case, r, x, con, pol=pol, oracle=False) if r in _HANDED else v[r]
+                  for r in s.reads}
+            args, kw = s.call(case, lay, _moved(va, dev))
             kw.update(_moved(s.told(case, pol), dev))
-            res = _call(adapter, backends, s.op, len(s.writes), *args, **kw)
-            got.update(zip(s.writes, res))
-        else:
-            args, kw = s.call(case, olay, _moved(v, "cpu"))
-            kw.update(s.policy_kw(case, pol))
             try:
-                res = _fields(s.op, getattr(R, s.op)(*args, **kw), len(s.writes))
-            except (ValueError, TypeError, IndexError, RuntimeError) as exc:
-                # an output of the implementation the oracle cannot consume (e.g. NaN scores):
-                # the pipeline stops; judge reports that output's failure and the adapter's
-                # remaining ops as not judged
-                con["not_run"] = {t.op: f"the oracle could not stand in for {s.op} on the "
-                                        f"implementation's outputs ({exc})"
-                                  for t in order[i:] if use[t.op]}
-                break
-            res = tuple(t.to(_stored(case, d)).to(dev) for t, d in zip(res, s.stored))
+                named = _call(adapter, backends, s, args, kw)
+            except OpError as exc:
+                if exc.kind == "timeout":
+                    raise
+                failed[s.op] = exc
+            else:
+                error, usable = _unusable_outputs(s, case, olay, v, named)
+                got.update(usable)              # judged, even when another output is not
+                if error is None:
+                    con.update(named)
+                    continue
+                failed[s.op] = error
+            if not any(set(s.writes) & needs(t) for t in order[i + 1:]):
+                continue                 # nothing later reads what the failed op made
+        args, kw = s.call(case, olay, _moved(v, "cpu"))
+        kw.update(s.policy_kw(case, pol))
+        try:
+            res = _fields(s.op, getattr(R, s.op)(*args, **kw), len(s.writes))
+        except (ValueError, TypeError, IndexError, RuntimeError) as exc:
+            # an output of the implementation the oracle cannot consume (e.g. NaN scores):
+            # the pipeline stops; judge reports that output's failure and the adapter's
+            # remaining ops as not judged
+            con["not_run"] = {t.op: f"the oracle could not stand in for {s.op} on the "
+                                    f"implementation's outputs ({exc})"
+                              for t in order[i:] if use[t.op] and t.op not in failed}
+            break
+        if s.op in failed:
+            e = failed[s.op]
+            failed[s.op] = OpError(e.op, e.message + _STOOD_IN, e.kind, e.output)
+        res = tuple(t.to(_stored(case, d)).to(dev) for t, d in zip(res, s.stored))
         con.update(zip(s.writes, res))
-    if backward and use.get("sparse_attention_backward"):
+    if backward and use.get("sparse_attention_backward") and \
+            "sparse_attention_backward" not in failed:
         conv = _pinned_convention(adapter, "sparse_attention_backward")
         if conv is not None:
             con["backward_convention"] = conv
         if probe and "dq" in got:
-            con[PROBE] = convention_probe(adapter, case, x, con, pol)
-    return Run(got, con, backends)
+            try:
+                con[PROBE] = convention_probe(adapter, case, x, con, pol)
+            except OpError as exc:       # no probe: the judge falls back on the nearer one
+                if exc.kind == "timeout":
+                    raise
+    return Run(got, con, backends, failed)
 
 
 PROBE = "convention_probe"
@@ -385,8 +465,7 @@ def convention_probe(adapter: Adapter, case, x: dict, con: dict, pol: dict) -> d
     moved = (v["out"].detach().to(torch.float32) + v["dout"].detach().to(torch.float32))
     v["out"] = moved.to(v["out"].dtype)
     args, kw = st.call(case, case.layout(), _moved(v, adapter.device))
-    res = _call(adapter, {}, st.op, len(st.writes), *args, **kw)
-    return {"out": v["out"], **dict(zip(st.writes, res))}
+    return {"out": v["out"], **_call(adapter, {}, st, args, kw)}
 
 
 LAYER_LEAVES = ("q", "kv_raw", "kv_cmp", "sink", "q_idx", "k_idx", "weights")
@@ -426,7 +505,15 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
     indexer loss (upstream 1). A leaf that autograd gives no gradient gets zeros (no flow).
     Before that, the loss alone is backpropagated to ``q``, ``kv`` and the sink (contract
     section 8: the teacher is detached, so these are exact zeros): ``got["loss_dq"]``,
-    ``["loss_dkv"]``, ``["loss_dsink"]``."""
+    ``["loss_dkv"]``, ``["loss_dsink"]``. A compressor case (sections 13-15) hands a layer
+    that takes them the raw compressor inputs (:func:`_layer_compressor`).
+
+    The forward's outputs are copied (and checked, :mod:`dsv4_oracle.outputs`) when the forward
+    returns, before the backward runs: they are judged as the caller saw them. An output that
+    is unusable is left out (with the other output of a joint stage: ``_JOINT``), recorded in
+    ``Run.failed`` under that stage's op, and a backward that fails leaves out the gradients
+    (key ``"csa_layer backward"``); the rest is still judged. A forward that fails raises
+    :class:`OpError`."""
     op = "csa_layer"
     lay = case.layout()
     train = backward and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
@@ -447,16 +534,62 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
         if case.has_indexer:
             kw["index_compressor"] = R.CompressorInputs(*(leaf[k] for k in _IDX_IN))
     attention_leaves = [k for k in ("q", "kv_raw", "kv_cmp", "sink") + _CMP_IN if k in leaf]
-    loss_only: dict = {}
+    box: dict = {}
 
-    def forward_backward(*args, **kwargs):
-        res = adapter.op(op)(*args, **kwargs)
+    def forward_result(res):
+        box["res"] = res
         for k in ("kv_cmp", "k_idx") if raw else ():
             t = getattr(res, k, None)
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.retain_grad()          # its gradient is the compressor backward's upstream
-        if train:
-            roots, grads = [res.out], [x["dout"]]
+        b = getattr(res, "backends", None)
+        box["backends"] = ({text(k): text(v) for k, v in b.items()} if isinstance(b, dict)
+                           else {op: adapter.name})
+        try:
+            named = dict(out=res.out, lse=res.lse, ids=res.ids, lengths=res.lengths)
+            if raw:
+                named["kv_cmp"] = res.kv_cmp
+                if case.has_indexer:
+                    named["k_idx"] = res.k_idx
+            if case.has_indexer:
+                named.update(scores=res.index_scores, cmp_ids=res.compressed_ids,
+                             cmp_lengths=res.compressed_lengths)
+                L = getattr(res, "indexer_loss", None)
+                if L is not None:
+                    named["loss"] = res.loss
+                    for k in ("kl", "target", "predict"):
+                        named[k] = getattr(L, k)
+        except AttributeError as exc:
+            raise OpError(op, f"its result lacks a field of the protocol ({text(exc)})",
+                          "result") from exc
+        for k, v in named.items():
+            if not isinstance(v, torch.Tensor):
+                raise OpError(op, f"result field {k} is {type(v).__name__}, not a tensor",
+                              "result", output=k)
+        return named
+    # the leaves are private copies already (and must stay autograd leaves): call_op compares
+    # them, and the layout it copies, with snapshots around the call
+    fwd = call_op(adapter.op(op), op, (leaf["q"], leaf["kv_raw"], leaf["sink"], lay), kw,
+                  private=False, result=forward_result)
+    got: dict = {}
+    failed: dict = {}
+    seen = dict(standins)
+    for st in STAGES:                    # each output checked as the op-level output would be
+        outs = {w: fwd[w] for w in st.writes if w in fwd}
+        if not outs or not st.applies(case):
+            continue
+        error, usable = _unusable_outputs(st, case, lay,
+                                          {r: _read(case, r, x, seen) for r in st.reads}, outs)
+        got.update(usable)
+        seen.update(usable)
+        if error is not None:
+            failed[st.op] = OpError(op, error.message, "result", output=error.output)
+    if train:
+        loss_only: dict = {}
+
+        def backward_of_layer(*args, **kwargs):
+            res = box["res"]
+            roots, grads = [res.out], [kwargs["dout"]]
             if isinstance(res.loss, torch.Tensor) and res.loss.requires_grad:
                 # section 8: no gradient reaches q, kv or the sink through the loss
                 g_l = torch.autograd.grad(res.loss, [leaf[k] for k in attention_leaves],
@@ -465,60 +598,50 @@ def run_layer(adapter: Adapter, case, x: dict, *, backward: bool = True) -> Run:
                 roots.append(res.loss)
                 grads.append(torch.ones_like(res.loss))
             torch.autograd.backward(roots, grads)
-        return res
-    # the leaves are private copies already (and must stay autograd leaves): call_op compares
-    # them, and the layout it copies, with snapshots around forward and backward
-    res = call_op(forward_backward, op, (leaf["q"], leaf["kv_raw"], leaf["sink"], lay), kw,
-                  private=False)
-    b = getattr(res, "backends", None)
-    backends = dict(b) if isinstance(b, dict) else {op: adapter.name}
-    try:
-        got = dict(out=res.out.detach(), lse=res.lse, ids=res.ids, lengths=res.lengths)
-        if raw:
-            got["kv_cmp"] = res.kv_cmp.detach()
-            if case.has_indexer:
-                got["k_idx"] = res.k_idx.detach()
-        if case.has_indexer:
-            got.update(scores=res.index_scores, cmp_ids=res.compressed_ids,
-                       cmp_lengths=res.compressed_lengths)
-            L = getattr(res, "indexer_loss", None)
-            if L is not None:
-                got["loss"] = res.loss.detach()
-                for k in ("kl", "target", "predict"):
-                    got[k] = getattr(L, k)
-    except AttributeError as exc:
-        raise OpError(op, f"its result lacks a field of the protocol ({exc})") from exc
-    if train:
-        g = lambda k: (leaf[k].grad if leaf[k].grad is not None  # noqa: E731
-                       else torch.zeros_like(leaf[k]))
-        got["dq"], got["dsink"] = g("q"), g("sink")
-        if raw:
-            kg = lambda t: t.grad if t.grad is not None else torch.zeros_like(t)  # noqa: E731
-            got["dkv"] = torch.cat([g("kv_raw"), kg(res.kv_cmp)])
-            got.update({n: g(k) for n, k in zip(("d_cmp_kv", "d_cmp_score", "d_cmp_ape",
-                                                 "d_cmp_norm"), _CMP_IN)})
-        else:
-            got["dkv"] = torch.cat([g("kv_raw")] + ([g("kv_cmp")] if case.ratio else []))
-        if case.has_indexer and "loss" in got:
-            got.update(dq_idx=g("q_idx"), dw=g("weights"),
-                       dk_idx=kg(res.k_idx) if raw else g("k_idx"))
-            if raw:
-                got.update({n: g(k) for n, k in zip(("d_idx_kv", "d_idx_score", "d_idx_ape",
-                                                     "d_idx_norm"), _IDX_IN)})
-        if loss_only:
-            z = lambda k: (loss_only[k] if loss_only[k] is not None  # noqa: E731
+
+        def gradients(_):
+            res = box["res"]
+            g = lambda k: (leaf[k].grad if leaf[k].grad is not None  # noqa: E731
                            else torch.zeros_like(leaf[k]))
-            got["loss_dq"], got["loss_dsink"] = z("q"), z("sink")
-            got["loss_dkv"] = torch.cat([z("kv_raw").reshape(-1)] + [
-                z(k).reshape(-1) for k in ("kv_cmp",) + _CMP_IN if k in loss_only])
-    for k, v in got.items():
-        if not isinstance(v, torch.Tensor):
-            raise OpError(op, f"result field {k} is {type(v).__name__}, not a tensor")
+            kg = lambda t: t.grad if t.grad is not None else torch.zeros_like(t)  # noqa: E731
+            named = {"dq": g("q"), "dsink": g("sink")}
+            if raw:
+                named["dkv"] = torch.cat([g("kv_raw"), kg(res.kv_cmp)])
+                named.update({n: g(k) for n, k in zip(("d_cmp_kv", "d_cmp_score", "d_cmp_ape",
+                                                       "d_cmp_norm"), _CMP_IN)})
+            else:
+                named["dkv"] = torch.cat([g("kv_raw")] + ([g("kv_cmp")] if case.ratio else []))
+            if case.has_indexer and "loss" in fwd:
+                named.update(dq_idx=g("q_idx"), dw=g("weights"),
+                             dk_idx=kg(res.k_idx) if raw else g("k_idx"))
+                if raw:
+                    named.update({n: g(k) for n, k in zip(("d_idx_kv", "d_idx_score",
+                                                           "d_idx_ape", "d_idx_norm"),
+                                                          _IDX_IN)})
+            if loss_only:
+                z = lambda k: (loss_only[k] if loss_only[k] is not None  # noqa: E731
+                               else torch.zeros_like(leaf[k]))
+                named.update(loss_dq=z("q"), loss_dsink=z("sink"), loss_dkv=torch.cat(
+                    [z("kv_raw").reshape(-1)] + [z(k).reshape(-1) for k in ("kv_cmp",) + _CMP_IN
+                                                 if k in loss_only]))
+            return named
+        rest = {k: v for k, v in leaf.items() if k not in ("q", "kv_raw", "sink")}
+        try:
+            got.update(call_op(backward_of_layer, op, (leaf["q"], leaf["kv_raw"], leaf["sink"]),
+                               dict(rest, dout=x["dout"].detach().clone()), private=False,
+                               result=gradients, label=f"the backward of {op}"))
+        except OpError as exc:
+            if exc.kind == "timeout":
+                raise
+            failed[f"{op} backward"] = OpError(op, f"in the backward: {exc.message}", exc.kind,
+                                               exc.output)
     con = dict(got, **standins)
-    conv = _pinned_convention(adapter, op) if train else None
+    conv = (_pinned_convention(adapter, op) if train and f"{op} backward" not in failed
+            else None)
     if conv is not None:
         con["backward_convention"] = conv
-    return Run(got, con, backends)
+    return Run(got, con, box["backends"], failed)
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1024,7 +1147,7 @@ def _judge_loss_grad(j: _Judging, st: Stage) -> list:
     p = j.prec(st.op)
     kw = {"num_real": j.lay.num_real, **j.kw(st)}
     g_b = j.memo(("bound", st.op, p, _kw_key(kw)), lambda: EM.indexer_loss_grad_bound(
-        v["q_idx"], v["k_idx"], v["weights"], v["loss_ids"], v["target"], v["predict"], *g_o,
+        v["q_idx"], v["k_idx"], v["weights"], v["teacher_ids"], v["target"], v["predict"], *g_o,
         coeff=j.case.coeff, precision=p, **kw), *(v[r] for r in st.reads))
     return [j.numeric(n, e, b) for n, e, b in zip(st.writes, g_o, g_b) if n in j.got]
 
@@ -1143,10 +1266,11 @@ STAGES = (
           _judge_loss,
           lambda c, pol: dict(num_real=loss_normaliser(c, pol), kl_form=pol["kl_form"])),
     Stage("sparse_indexer_loss_grad", "8",
-          ("q_idx", "k_idx", "weights", "loss_ids", "target", "predict"),
+          ("q_idx", "k_idx", "weights", "teacher_ids", "target", "predict"),
           ("dq_idx", "dw", "dk_idx"), (IO, IO, IO), lambda c: _indexer(c) and _loss(c),
-          lambda c, lay, v: ((v["q_idx"], v["k_idx"], v["weights"], v["loss_ids"], v["target"],
-                              v["predict"]), dict(coeff=c.coeff, num_real=lay.num_real)),
+          lambda c, lay, v: ((v["q_idx"], v["k_idx"], v["weights"], v["teacher_ids"],
+                              v["target"], v["predict"]),
+                             dict(coeff=c.coeff, num_real=lay.num_real)),
           _judge_loss_grad,
           lambda c, pol: dict(num_real=loss_normaliser(c, pol), mode=pol["index_grad"],
                               kl_form=pol["kl_form"], **_index_kw(c, pol)),

@@ -6,8 +6,9 @@ with its signature, what each argument means and what to return, plus the attrib
 backend of this project (``gpu_impl.api``, ``backend="torch"``) as a placeholder, so the file
 passes ``dsv4-oracle check`` as written; replace each body with a call into your kernel, and
 delete the ops you do not implement (the oracle stands in for them). It never overwrites a file:
-an existing PATH, a PATH not ending in ``.py`` or a missing directory is one line on stderr and
-exit status 2.
+an existing PATH, a PATH not ending in ``.py``, a file name that is not a Python module name
+(``my-kernel.py``, ``.py``) or a parent that is missing or not a directory is one line on stderr
+and exit status 2.
 '''
 from __future__ import annotations
 
@@ -211,21 +212,42 @@ def _error(msg: str) -> int:
     return 2
 
 
-def main_init_adapter(args) -> int:
-    path = args.path
+def _module_name_problem(path: str) -> str | None:
+    """Why ``path`` cannot be an adapter file that ``check --impl PATH:Adapter`` imports."""
+    import keyword
     if not path.endswith(".py"):
-        return _error(f"{path!r} does not end in .py (the checker imports it as Python)")
+        return f"{path!r} does not end in .py (the checker imports it as Python)"
+    stem = os.path.basename(path)[:-3]
+    if not stem.isidentifier() or keyword.iskeyword(stem):
+        hint = "".join(c if c.isalnum() or c == "_" else "_" for c in stem) or "dsv4_adapter"
+        if hint[0].isdigit() or keyword.iskeyword(hint):
+            hint = f"dsv4_{hint}"
+        return (f"{os.path.basename(path)!r} is not a Python module name, which the checker "
+                f"imports the file as (use, e.g., {hint}.py)")
+    return None
+
+
+def main_init_adapter(args) -> int:
+    import tempfile
+    path = args.path
+    why = _module_name_problem(path)
+    if why:
+        return _error(why)
     if os.path.lexists(path):
         return _error(f"{path} exists; not overwriting it (choose another PATH)")
     parent = os.path.dirname(path) or "."
     if not os.path.isdir(parent):
+        if os.path.exists(parent):
+            return _error(f"{parent} is not a directory")
         return _error(f"directory {parent} does not exist")
     text = TEMPLATE.replace("{path}", path)
-    # a complete temporary file, then a hard link (which refuses an existing name): never a
-    # half-written PATH, never a replaced one
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    # a complete temporary file of a fresh name, then a hard link (which refuses an existing
+    # name): never a half-written PATH, never a replaced one, never another file removed
+    tmp = None
     try:
-        with open(tmp, "x", encoding="utf-8") as f:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                   dir=parent)
+        with open(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.link(tmp, path)
     except FileExistsError:
@@ -233,7 +255,7 @@ def main_init_adapter(args) -> int:
     except OSError as exc:
         return _error(f"cannot write {path}: {exc.strerror or exc}")
     finally:
-        if os.path.lexists(tmp):
+        if tmp is not None and os.path.lexists(tmp):
             os.unlink(tmp)
     print(f"wrote {path}; check it with: dsv4-oracle check --impl {path}:Adapter")
     return 0

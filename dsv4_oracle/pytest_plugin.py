@@ -41,7 +41,7 @@ import importlib.util
 import pytest
 
 __all__ = ["MARKERS", "HARDWARE_MARKERS", "PRODUCTION_CATEGORIES", "ConformanceError", "cases",
-           "assert_conforms", "hardware"]
+           "assert_conforms", "hardware", "DEFAULT_TIMEOUT_S"]
 
 MARKERS = {
     "gpu": "needs a CUDA GPU (the GPU lane is `pytest -m gpu`)",
@@ -56,6 +56,7 @@ MARKERS = {
 HARDWARE_MARKERS = ("gpu", "sm90", "sm100", "cudnn", "multigpu")
 # catalog categories whose cases :func:`cases` marks ``production``
 PRODUCTION_CATEGORIES = ("dsv4_flash", "dsv4_pro")
+DEFAULT_TIMEOUT_S = 900.0      # assert_conforms(timeout=...), as dsv4-oracle check --timeout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,6 +189,10 @@ def _case(case):
         try:
             return fixtures.get(case)
         except KeyError:
+            from dsv4_oracle.fixtures.production import production_cases
+            for c in production_cases():          # the ids cases("production") gives
+                if c.id == case:
+                    return c
             from .wording import did_you_mean
             slip = did_you_mean(case, [c.id for c in fixtures.catalog()])
             raise ValueError(f"case: no catalog case has id {case!r}"
@@ -195,10 +200,21 @@ def _case(case):
     raise TypeError(f"case must be a fixtures.Case or a case id, got {type(case).__name__}")
 
 
-def _adapter(implementation, precision):
-    from .adapters import Adapter, AdapterError, load_adapter
+def _precision_argument(precision):
+    from collections.abc import Mapping
 
-    try:
+    from dsv4_oracle.reference.error_model import Precision
+    if precision is None or isinstance(precision, (Precision, Mapping)) or callable(precision):
+        return precision
+    raise TypeError(f"precision must be a reference.error_model.Precision, a callable dtype -> "
+                    f"Precision or a mapping op -> either, got {type(precision).__name__}")
+
+
+def _adapter(implementation, precision, timeout):
+    from .adapters import Adapter, AdapterError, load_adapter
+    from .invoke import bounded
+
+    def load():
         if isinstance(implementation, Adapter):
             if precision is None:
                 return implementation
@@ -217,12 +233,25 @@ def _adapter(implementation, precision):
         name = getattr(target, "name", None)
         name = name if isinstance(name, str) and name else type(target).__name__
         return Adapter(target, name=name, precision=precision)
-    except AdapterError as exc:
+    try:
+        return bounded(load, "loading the implementation", timeout=timeout, hard_exit=True)
+    except (AdapterError, TimeoutError) as exc:
         raise ValueError(f"implementation: {exc}") from None
 
 
+def _ops_argument(ops):
+    if ops is None:
+        return None
+    if isinstance(ops, (str, bytes)) or not hasattr(ops, "__iter__"):
+        raise TypeError(f"ops must be a list of op names, got {ops!r}")
+    ops = list(ops)                      # once: a generator is read here, not by the check
+    if not all(isinstance(o, str) for o in ops):
+        raise TypeError(f"ops must be a list of op names, got {ops!r}")
+    return ops
+
+
 def assert_conforms(implementation, case, *, replays: int = 2, ops=None, precision=None,
-                    policies=None):
+                    policies=None, timeout=DEFAULT_TIMEOUT_S):
     """Check ``implementation`` on ``case`` exactly as ``dsv4-oracle check`` does; raise
     :class:`ConformanceError` (an ``AssertionError``) when any check fails.
 
@@ -236,17 +265,23 @@ def assert_conforms(implementation, case, *, replays: int = 2, ops=None, precisi
     :class:`reference.error_model.Precision`, a callable ``dtype -> Precision``, or a mapping op
     -> either), overriding the implementation's own. ``policies``: the named policies of
     contract section 5.2 to judge under (a mapping policy name -> value; the others take the
-    contract's default), overriding the implementation's own ``policies``.
+    contract's default), overriding the implementation's own ``policies``. ``timeout``: seconds
+    for loading the implementation (import, construction) and for each op call, as ``check
+    --timeout`` (default 900; ``None`` or 0: no limit): an op that overruns it fails; one that
+    no interrupt reaches ends the test process after the timeout plus a grace period (one line
+    on stderr, exit status 1) rather than hanging the suite.
 
     The message of the error is the case's table of checks, failed ones first (case, level,
     quantity, check, ratio, detail). The test is skipped, with the reason, when the
     implementation cannot run on this machine (``unavailable()``, a CUDA device without CUDA)
     or when nothing could be judged on this case (no op of the implementation applies to it,
-    or every check is not judged). Bad arguments raise ``TypeError``/``ValueError`` naming the
-    argument before anything runs. Returns the :class:`dsv4_oracle.runner.CaseOutcome`.
+    or every check is not judged). Bad arguments (a precision that is not one or does not
+    resolve to one included) raise ``TypeError``/``ValueError`` naming the argument before
+    anything runs. Returns the :class:`dsv4_oracle.runner.CaseOutcome`.
     """
     __tracebackhide__ = True
-    from .adapters import checked_ops
+    from .adapters import AdapterError, checked_ops
+    from .invoke import check_timeout, op_timeout
     from .report import format_case
     from .runner import check_case
 
@@ -254,8 +289,10 @@ def assert_conforms(implementation, case, *, replays: int = 2, ops=None, precisi
         raise TypeError(f"replays must be an int, got {type(replays).__name__}")
     if replays < 0:
         raise ValueError(f"replays must be >= 0, got {replays}")
+    timeout = check_timeout(timeout, "timeout")
     the_case = _case(case)
-    adapter = _adapter(implementation, precision)
+    ops = _ops_argument(ops)
+    adapter = _adapter(implementation, _precision_argument(precision), timeout)
     if policies is not None:
         adapter = copy.copy(adapter)            # never the caller's Adapter object
         try:
@@ -263,8 +300,6 @@ def assert_conforms(implementation, case, *, replays: int = 2, ops=None, precisi
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"policies: {exc}") from None
     if ops is not None:
-        if isinstance(ops, str) or not all(isinstance(o, str) for o in ops):
-            raise TypeError(f"ops must be a list of op names, got {ops!r}")
         try:
             ops = checked_ops(adapter, ops)
         except ValueError as exc:
@@ -272,7 +307,14 @@ def assert_conforms(implementation, case, *, replays: int = 2, ops=None, precisi
     why = adapter.unavailable()
     if why:
         pytest.skip(why)
-    outcome = check_case(adapter, the_case, replays=replays, ops=ops)
+    try:                # the precision of every op that runs, resolved before anything runs
+        for op in (o for o in adapter.ops if ops is None or o in ops):
+            adapter.precision(the_case.torch_dtype, op=op)
+    except AdapterError as exc:
+        raise (TypeError if isinstance(exc, TypeError) else ValueError)(
+            f"precision: {exc}") from None
+    with op_timeout(timeout, hard_exit=True):
+        outcome = check_case(adapter, the_case, replays=replays, ops=ops)
     if not outcome.passed:
         raise ConformanceError(format_case(outcome, adapter, ops), outcome)
     if not any(c.judged for c in outcome.checks):

@@ -156,11 +156,12 @@ def check_rejections(adapter, case, x: dict, consumed: dict, *, policies=None,
         if not adapter.has(rule.op) or not st.applies(case) or not rule.applies(pol):
             continue
         try:
-            v = {r: _read(case, r, x, consumed, pol=pol) for r in st.reads}
+            v = {r: _read(case, r, x, consumed, pol=pol, oracle=False) for r in st.reads}
         except KeyError:                 # an input this pipeline never produced
             continue
         if any(not isinstance(t, torch.Tensor) for k, t in v.items()
-               if k in ("scores", "ids", "lse", "loss_lse", "loss_ids", "target", "predict")):
+               if k in ("scores", "ids", "lse", "loss_lse", "loss_ids", "teacher_ids", "target",
+                        "predict")):
             continue
         bad = rule.change(v)
         if bad is None:

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import xml.etree.ElementTree as ET
 from typing import Callable
@@ -496,15 +497,28 @@ def format_case(outcome, adapter=None, ops=None) -> str:
 # ---------------------------------------------------------------------------------------------
 # files
 # ---------------------------------------------------------------------------------------------
+# characters XML 1.0 cannot hold (control characters, lone surrogates, U+FFFE/U+FFFF)
+_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def _xml(text: str) -> str:
+    """``text`` with every character XML 1.0 cannot hold written as a ``\\xNN``/``\\uNNNN``
+    escape, so that any JUnit parser reads the file whatever an adapter's message holds."""
+    return _NOT_XML.sub(lambda m: (f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                                   else f"\\u{ord(m.group()):04x}"), str(text))
+
+
 def write_junit(result: RunResult, path: str) -> None:
     """JUnit XML: one testcase per (case, level, check); failures carry the pointed message,
-    checks that could not be judged are skipped with the reason."""
+    checks that could not be judged are skipped with the reason. Every text is made valid
+    XML (:func:`_xml`)."""
     n = sum(len(o.checks) + (1 if o.error else 0) for o in result.outcomes)
     fails = sum(len(o.failed_checks) for o in result.outcomes)
     errs = sum(1 for o in result.outcomes if o.error)
     skipped = sum(not c.judged for o in result.outcomes for c in o.checks)
     suites = ET.Element("testsuites")
-    suite = ET.SubElement(suites, "testsuite", name=f"dsv4-oracle check {result.adapter.spec}",
+    suite = ET.SubElement(suites, "testsuite",
+                          name=_xml(f"dsv4-oracle check {result.adapter.spec}"),
                           tests=str(n), failures=str(fails), errors=str(errs),
                           skipped=str(skipped),
                           time=f"{result.elapsed_s:.3f}", timestamp=result.started_utc)
@@ -513,15 +527,16 @@ def write_junit(result: RunResult, path: str) -> None:
         if o.error:
             tc = ET.SubElement(suite, "testcase", classname=f"dsv4_oracle.{o.case.id}",
                                name="setup", time="0")
-            ET.SubElement(tc, "error", message=o.error).text = o.error
+            ET.SubElement(tc, "error", message=_xml(o.error)).text = _xml(o.error)
         for c in o.checks:
             tc = ET.SubElement(suite, "testcase", classname=f"dsv4_oracle.{o.case.id}",
-                               name=f"[{c.extra.get('level')}] {c.name}", time=f"{share:.4f}")
+                               name=_xml(f"[{c.extra.get('level')}] {c.name}"),
+                               time=f"{share:.4f}")
             if not c.passed:
-                msg = f"{c.name} ({c.kind}): {c.detail}"
+                msg = _xml(f"{c.name} ({c.kind}): {c.detail}")
                 ET.SubElement(tc, "failure", message=msg, type=c.kind).text = msg
             elif not c.judged:
-                ET.SubElement(tc, "skipped", message=c.detail)
+                ET.SubElement(tc, "skipped", message=_xml(c.detail))
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     ET.ElementTree(suites).write(path, encoding="utf-8", xml_declaration=True)
@@ -634,9 +649,11 @@ def write_report(result: RunResult, directory: str, *, argv=None) -> list[str]:
             if fn(result, os.path.join(directory, name)):
                 images.append(name)
     paths = [os.path.join(directory, "report.json"), os.path.join(directory, "report.md")]
-    with open(paths[0], "w") as f:
+    # JSON escapes every non-ASCII character; Markdown is UTF-8, with a backslash escape for
+    # anything that has no UTF-8 form (a lone surrogate in an adapter's message)
+    with open(paths[0], "w", encoding="utf-8") as f:
         json.dump(d, f, indent=1, allow_nan=False)
         f.write("\n")
-    with open(paths[1], "w") as f:
+    with open(paths[1], "w", encoding="utf-8", errors="backslashreplace") as f:
         f.write(_markdown(d, images))
     return paths + [os.path.join(directory, i) for i in images if not i.startswith("(")]

@@ -9,15 +9,20 @@ For each case (data flowing one way: case -> inputs -> implementation -> compari
    and after: grad-mode parity and no-mutation (section 11);
 3. the grad-enabled run is judged against the oracle on the inputs it consumed
    (:func:`dsv4_oracle.conformance.judge`: exact checks and error/bound ratios, section 12);
-4. ``replays - 1`` more runs must reproduce the first bit for bit (section 11).
+4. ``replays - 1`` more runs must reproduce the first bit for bit (section 11);
+5. one more run on inputs drawn from another seed (the next call of real use), not judged;
+6. ``outputs_stable`` (section 11): the tensors the judged run returned, kept
+   (:func:`dsv4_oracle.invoke.watching`), still hold the bits they were judged with after
+   every later call of the case and at its end.
 
 Every call into the implementation goes through :func:`dsv4_oracle.invoke.call_op`: an op
-that raises, exits, overruns the per-op timeout (``timeout``) or returns something that is not
-the protocol's result fails the case's ``run`` check with the reason; an op that writes into an
-argument it was handed fails its ``no_mutation`` check (naming the argument and the elements);
-neither aborts the run. The precision the error model assumes is resolved per op
-(``Adapter.precision(dtype, op)``) and recorded per case; a declared precision looser than the
-default is flagged (:func:`precision_summary`). Nothing here prints: the ``progress`` callback
+that raises, exits or returns something unusable fails its ``run`` check (under the quantity of
+the unusable output) with the reason, and one that writes into an argument it was handed its
+``no_mutation`` check (naming the argument and the elements); the oracle stands in for it and
+the level goes on (:func:`dsv4_oracle.conformance.run_ops`). An op that overruns the per-op
+timeout (``timeout``) ends its level; nothing aborts the run. The precision the error model
+assumes is resolved per op (``Adapter.precision(dtype, op)``) and recorded per case; a declared
+precision looser than the default is flagged (:func:`precision_summary`). Nothing here prints: the ``progress`` callback
 and :mod:`dsv4_oracle.report` present the results.
 """
 from __future__ import annotations
@@ -32,9 +37,9 @@ import torch
 
 from .adapters import LAYER_OP, OPS, Adapter, AdapterError, looser_than_default
 from .compare import CheckResult, check_grad_mode_parity, check_no_mutation, check_replays
-from .conformance import (FORWARD_OUTPUTS, OpError, forget_measurements, judge, layer_applies,
-                          run_layer, run_ops, tensors_of)
-from .invoke import op_timeout
+from .conformance import (FORWARD_OUTPUTS, QUANTITIES, OpError, forget_measurements, judge,
+                          layer_applies, run_layer, run_ops, tensors_of)
+from .invoke import op_timeout, text, watching
 from .rejections import REJECTION_CASES, check_rejections
 from .wording import did_you_mean
 
@@ -45,7 +50,7 @@ __all__ = ["CATALOGS", "CaseOutcome", "RunResult", "SelectionError", "select_cas
 CATALOGS = ("quick", "full", "production")
 LEVELS = ("op", "layer")
 # quantities that hold however little ran: a run with only these judged nothing
-STRUCTURAL = ("grad_modes", "no_mutation", "replays")
+STRUCTURAL = ("grad_modes", "no_mutation", "replays", "outputs_stable")
 # categories whose cases are not single-device runs (CP layouts that must raise ValueError)
 _NOT_RUNNABLE = ("cp_invalid",)
 
@@ -177,21 +182,44 @@ def _failed(name: str, kind: str, quantity: str, level: str, detail: str) -> Che
                        {"quantity": quantity, "level": level})
 
 
-def _op_failed(exc: OpError, level: str, prefix: str = "") -> CheckResult:
-    """The failing check of an op that failed: ``no_mutation`` when it wrote into an argument,
-    else ``run``."""
+def _op_failed(exc: OpError, level: str, prefix: str = "", suffix: str = "") -> CheckResult:
+    """The failing check of an op that failed: ``no_mutation`` when it wrote into an argument;
+    else ``run``, carrying the quantity of the output it could not return usably (or ``run``
+    when it raised, exited or hung)."""
     if exc.kind == "mutation":
         return _failed(f"no_mutation: {exc.op}", "no_mutation", "no_mutation", level,
-                       prefix + exc.message)
-    return _failed(f"run: {exc.op}", "error", "run", level, prefix + exc.message)
+                       prefix + exc.message + suffix)
+    quantity = _QUANTITY.get(exc.output, exc.output)
+    quantity = quantity if quantity in QUANTITIES else "run"
+    return _failed(f"run: {exc.op}", "error", quantity, level, prefix + exc.message + suffix)
 
 
-def _owned(run):
-    """``run`` with private copies of its tensors: a later call into the implementation (the
-    next grad mode, a replay) cannot rewrite what is about to be judged."""
-    own = lambda d: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)  # noqa: E731
-                     for k, v in d.items()}
-    return run._replace(got=own(run.got), consumed=own(run.consumed))
+# outputs that are judged under another quantity's name
+_QUANTITY = {"cmp_lengths": "cmp_ids"}
+
+
+def _stability(watched, level: str) -> CheckResult:
+    """Section 11: every tensor an op returned at ``level`` still holds the bits it had when it
+    was returned, after every later call into the implementation and at the end of the case;
+    a change fails the op that returned the tensor, naming the call that changed it."""
+    found = [c for c in watched.changes if c[0] == level]
+    held = watched.held.get(level, 0)
+    if not found:
+        return CheckResult("outputs_stable", "no_mutation", True, None, 0,
+                           f"{held} returned tensors kept their bits through "
+                           f"{watched.calls} later calls and the end of the case",
+                           {"quantity": "outputs_stable", "level": level, "tensors": held})
+    _, op, name, how, by_op, phase = found[0]
+    when = (f"during {'the later call of ' if not by_op.startswith('the ') else ''}{by_op}"
+            + (f" ({phase})" if phase else "") if by_op is not None else
+            "after its last call (no call of the implementation was running)")
+    more = ("; also changed: " + ", ".join(f"{c[2]} of {c[1]}" for c in found[1:])
+            if len(found) > 1 else "")
+    return CheckResult(f"outputs_stable: {op}", "no_mutation", False, None, len(found),
+                       f"its returned {name} changed after it was returned, {when}: {how}; "
+                       f"the caller sees values other than those judged{more}",
+                       {"quantity": "outputs_stable", "level": level, "tensors": held,
+                        "changed": [f"{c[1]}: {c[2]}" for c in found]})
 
 
 def level_precision(adapter: Adapter, dtype, level: str) -> dict:
@@ -204,30 +232,40 @@ def level_precision(adapter: Adapter, dtype, level: str) -> dict:
 
 
 def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache: dict,
-           maps: dict | None, oracle_device=None) -> tuple[list, dict]:
+           maps: dict | None, oracle_device=None, watched=None) -> tuple[list, dict]:
     """The checks of one level of one case, and the backends that ran."""
     policies = adapter.policies
 
-    def once(backward=True, probe=False):
+    def once(backward=True, probe=False, on=(case, x)):
         if level == "op":
-            return run_ops(adapter, case, x, ops=ops, backward=backward, policies=policies,
+            return run_ops(adapter, on[0], on[1], ops=ops, backward=backward, policies=policies,
                            probe=probe)
-        return run_layer(adapter, case, x, backward=backward)
+        return run_layer(adapter, on[0], on[1], backward=backward)
     runs: list = []
+    failures: list = []
 
     def call():
         # section 11: the forward under no_grad / inference_mode must give the bits of the
         # grad-enabled forward; gradients are computed (and replayed) grad-enabled only
         mode = ("torch.inference_mode()" if torch.is_inference_mode_enabled() else
                 "torch.no_grad()" if not torch.is_grad_enabled() else None)
+        if watched is not None:
+            watched.record = not runs            # runs[0] is what is judged: keep what it returned
+            watched.phase = f"the {mode or 'grad-enabled'} run"
         try:
             # the judged run (the first, grad-enabled) also probes the backward's convention
             r = once(backward=mode is None, probe=mode is None and not runs)
         except OpError as exc:
             if mode is None:
                 raise
-            raise OpError(exc.op, f"{exc.message} (under {mode})") from exc
-        r = _owned(r)
+            raise OpError(exc.op, f"{exc.message} (under {mode})", exc.kind,
+                          exc.output) from exc
+        finally:
+            if watched is not None:
+                watched.record = False
+        if runs:               # an op that failed here only: a failure of its own
+            failures.extend(_op_failed(e, level, suffix=f" (under {mode})")
+                            for k, e in r.failed.items() if k not in runs[0].failed)
         runs.append(r)
         return {k: v for k, v in tensors_of(r.got).items() if k in FORWARD_OUTPUTS}
 
@@ -239,6 +277,9 @@ def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache
     except OpError as exc:
         return [_op_failed(exc, level)], {}
     first = runs[0]
+    checks += [_op_failed(e, level) for e in first.failed.values()] + failures
+    if not first.got:           # every op the implementation ran failed: nothing else to judge
+        return checks, dict(first.backends)
     precision = level_precision(adapter, case.torch_dtype, level)
     try:
         verdicts = judge(case, x, first.got, consumed=first.consumed, precision=precision,
@@ -261,14 +302,41 @@ def _level(adapter: Adapter, case, x: dict, level: str, replays: int, ops, cache
             if not served:                       # call 0 is the grad-enabled run above
                 served.append(True)
                 return tensors_of(first.got)
-            return tensors_of(once().got)
+            if watched is not None:
+                watched.phase = f"replay {len(served)}"
+            served.append(True)
+            r = once()
+            new = [e for k, e in r.failed.items() if k not in first.failed]
+            if new:
+                raise new[0]
+            return tensors_of(r.got)
         try:
             checks.append(_with(check_replays(replay, replays), quantity="replays", level=level))
         except OpError as exc:
             checks.append(_op_failed(exc, level, "in a replay: ") if exc.kind == "mutation"
                           else _failed("replays", "replay", "replays", level,
                                        f"a replay failed in {exc.op}: {exc.message}"))
+    if watched is not None and watched.held.get(level):
+        # the next call in real use has other inputs: a workspace that every call rewrites
+        # shows only then (its verdict is outputs_stable; nothing of this run is judged)
+        watched.phase = "a call on other inputs, after the replays"
+        other = _other_inputs(case, adapter.device)
+        if other is not None:
+            try:
+                once(on=other)
+            except OpError:
+                pass
     return checks, dict(first.backends)
+
+
+def _other_inputs(case, device):
+    """``(case, inputs)`` of ``case`` drawn from another seed: the same shapes, layout and
+    kinds of values, other numbers (``None`` when they cannot be made)."""
+    try:
+        other = dataclasses.replace(case, seed=(case.seed + 1) % (1 << 32))
+        return other, other.materialize(device=device)
+    except Exception:            # a case that cannot be redrawn: the probe is skipped
+        return None
 
 
 def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None,
@@ -304,23 +372,32 @@ def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None,
         out.error = str(exc)
         out.elapsed_s = time.perf_counter() - t0
         return out
-    for level in levels:
-        maps: dict = {}
-        try:
-            checks, backends = _level(adapter, case, x, level, replays, ops, cache, maps,
-                                      oracle_device)
-        except OpError as exc:
-            checks, backends = [_op_failed(exc, level)], {}
-        except Exception as exc:     # what the implementation returned broke the runner
-            checks, backends = [_failed("run", "error", "run", level,
-                                        f"cannot handle the implementation's result: "
-                                        f"{type(exc).__name__}: {exc}")], {}
-        out.checks += checks
-        out.backends[level] = backends
-        if maps:
-            # float64: a ratio just over 1 must not round to 1 in the plot
-            out.maps[level] = {k: (v.detach().to("cpu").numpy() if isinstance(v, torch.Tensor)
-                                   else v) for k, v in maps.items()}
+    ran: list = []
+    with watching() as watched:
+        for level in levels:
+            maps: dict = {}
+            watched.tag = level
+            try:
+                checks, backends = _level(adapter, case, x, level, replays, ops, cache, maps,
+                                          oracle_device, watched)
+            except OpError as exc:
+                checks, backends = [_op_failed(exc, level)], {}
+            except Exception as exc:     # what the implementation returned broke the runner
+                checks, backends = [_failed("run", "error", "run", level,
+                                            f"cannot handle the implementation's result: "
+                                            f"{type(exc).__name__}: {text(exc)}")], {}
+            out.checks += checks
+            out.backends[level] = backends
+            if watched.held.get(level):
+                ran.append(level)
+            if maps:
+                # float64: a ratio just over 1 must not round to 1 in the plot
+                out.maps[level] = {k: (v.detach().to("cpu").numpy()
+                                       if isinstance(v, torch.Tensor) else v)
+                                   for k, v in maps.items()}
+        watched.phase = ""
+        watched.verify()                 # the end of the case: no call running
+    out.checks += [_stability(watched, level) for level in ran]
     forget_measurements(cache)              # what this implementation did stays with it
     if adapter.device.startswith("cuda"):
         torch.cuda.synchronize()

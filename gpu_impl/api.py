@@ -33,7 +33,7 @@ from dsv4_oracle.protocol import OPS as PROTOCOL_OPS
 from dsv4_oracle.reference.constants import COMPRESSOR_EPS, GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
 
 from . import torch_backend
-from .checks import as_bool, choice
+from .checks import as_bool, as_device, as_int, choice
 
 __all__ = [
     "AttentionBackward", "AttentionForward", "BACKENDS", "BackendUnavailable", "CsaIndices",
@@ -166,6 +166,8 @@ def _device_of(*tensors) -> torch.device:
 
 
 def _run(op: str, device_tensor, backend: str, deterministic: bool, args, kwargs):
+    if kwargs.get("chunk_rows") is not None:     # checked whichever backend runs (and reads it)
+        as_int(kwargs["chunk_rows"], "chunk_rows", minimum=1)
     device = device_tensor if isinstance(device_tensor, torch.device) else _device_of(device_tensor)
     name = resolve_backend(op, device, backend, deterministic, args, kwargs)
     fn = getattr(_module(name), op)
@@ -195,8 +197,9 @@ def build_csa_indices(layout, *, window, ratio, compressed_ids=None, device=None
                       backend="auto", deterministic=True):
     """Section 5. ``device`` places the rows when no ``compressed_ids`` is given. Returns
     :class:`CsaIndices` ``(ids, lengths, backend)``."""
-    where = compressed_ids if isinstance(compressed_ids, torch.Tensor) else torch.device(
-        "cpu" if device is None else device)
+    device = as_device(device, "device")
+    where = compressed_ids if isinstance(compressed_ids, torch.Tensor) else (
+        torch.device("cpu") if device is None else device)
     (ids, lengths), name = _run("build_csa_indices", where, backend, deterministic, (layout,),
                                 dict(window=window, ratio=ratio, compressed_ids=compressed_ids,
                                      device=device))

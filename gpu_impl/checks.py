@@ -26,7 +26,8 @@ from dsv4_oracle.reference.layout import PackedLayout
 
 __all__ = [
     "AttentionArgs", "AttentionBackwardArgs", "CompressorArgs", "FLOAT_DTYPES", "INDEX_DTYPES",
-    "IndexerLossArgs", "IndexerLossGradArgs", "IndexerScoresArgs", "TopkArgs", "as_bool",
+    "IndexerLossArgs", "IndexerLossGradArgs", "IndexerScoresArgs", "TopkArgs", "allocated",
+    "as_bool", "as_device",
     "as_int", "as_real", "check_dim", "check_layout", "choice", "float_tensor", "has_nan",
     "head_dim", "index_tensor", "reject_loss_values", "reject_nan", "reject_negative",
     "same_device", "validate_attention_backward",
@@ -61,6 +62,39 @@ def index_tensor(x, name: str, *, ndim: int | None = None) -> torch.Tensor:
     if x.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name} must be an int32 or int64 tensor, got dtype {x.dtype}")
     return x
+
+
+def as_device(device, name: str = "device") -> torch.device | None:
+    """``device`` (``None``, a ``str`` or a ``torch.device``) as a ``torch.device`` that can hold
+    data on this machine: ``TypeError``/``ValueError`` naming ``name`` otherwise."""
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"{name} must be a str or torch.device (e.g. 'cpu', 'cuda:0'), got "
+                        f"{type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"{name}={device!r} is not a device ({exc})") from None
+    if dev.type == "meta":
+        raise ValueError(f"{name}={device!r} holds no data; the ops need values")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}={device!r}: CUDA is not available on this machine")
+        if dev.index is not None and not dev.index < torch.cuda.device_count():
+            raise ValueError(f"{name}={device!r}: this machine has "
+                             f"{torch.cuda.device_count()} CUDA devices")
+    return dev
+
+
+def allocated(make, name: str, what: str):
+    """``make()``, an allocation whose size comes from the argument ``name``: an allocator
+    failure is a ``ValueError`` naming ``name`` and ``what`` was to be allocated."""
+    try:
+        return make()
+    except (RuntimeError, MemoryError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{name}: {what} cannot be allocated here ({first})") from None
 
 
 def same_device(**named) -> torch.device:

@@ -44,10 +44,12 @@ every argument the ranks must agree on (the layout; ``window``, ``ratio``, ``top
 ``sink``; the dtypes and shapes of every tensor). Any local failure or any disagreement raises
 a ``ValueError`` / ``TypeError`` naming the argument and the ranks on *every* rank before any
 data moves, and the group stays usable. Every collective of the layer (that exchange
-included) is bounded by ``timeout`` seconds (default :data:`DEFAULT_TIMEOUT_S`): a rank that
-fails later or never joins makes the others raise ``TimeoutError`` within that time instead
-of blocking for the process group's own timeout, and a rank whose process exits makes them
-raise ``RuntimeError`` at once; the group is then broken, as after any failed collective. With NCCL,
+included) is bounded by ``timeout`` seconds (default :data:`DEFAULT_TIMEOUT_S`, or the process
+group's own timeout when that is shorter): a rank that fails later or never joins makes the
+others raise ``TimeoutError`` within that time instead of blocking, and a rank whose process
+exits makes them raise ``RuntimeError`` at once, whether the collective was waiting or could
+not start; both messages are the layer's own, naming the collective and the rank. The group
+is then broken, as after any failed collective. With NCCL,
 set the CUDA device of each rank first, as usual; waiting with a timeout makes each of the
 layer's collectives a host synchronisation point.
 """
@@ -383,18 +385,25 @@ class _Comm:
         self.pg = group if group is not None else dist.group.WORLD
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.timeout_s = timeout_s
-        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.set_timeout(timeout_s)
         nccl = dist.get_backend(group) == "nccl"
         self.exchange_device = (torch.device("cuda", torch.cuda.current_device()) if nccl
                                 else torch.device("cpu"))
 
-    def _wait(self, works, what):
+    def set_timeout(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+
+    def _run(self, what, start):
+        """``start()`` (which starts a collective and returns its work objects) and the wait for
+        them: every failure of either, whether the collective could not start (a peer already
+        gone) or did not finish, raises this layer's own error naming ``what`` and the rank."""
         try:
+            works = start()
             for w in works if isinstance(works, (list, tuple)) else [works]:
                 if w is not None:
                     w.wait(self.timeout)
-        except RuntimeError as exc:
+        except RuntimeError as exc:          # gloo and NCCL errors (DistBackendError, ...)
             msg = str(exc)
             if "imed out" in msg or "timeout" in msg.lower():
                 raise TimeoutError(
@@ -417,15 +426,15 @@ class _Comm:
         """Rank-major concatenation of every rank's ``x`` (same shape everywhere)."""
         x = x.contiguous()
         out = x.new_empty((self.size * x.shape[0],) + tuple(x.shape[1:]))
-        self._wait(self._call(("all_gather_single", "_allgather_base"), out, x,
-                              _options("AllgatherOptions", self.timeout)), what)
+        self._run(what, lambda: self._call(("all_gather_single", "_allgather_base"), out, x,
+                                           _options("AllgatherOptions", self.timeout)))
         return out
 
     def all_to_all(self, x, what):
         x = x.contiguous()
         out = torch.empty_like(x)
-        self._wait(self._call(("all_to_all_single", "alltoall_base"), out, x, [], [],
-                              _options("AllToAllOptions", self.timeout)), what)
+        self._run(what, lambda: self._call(("all_to_all_single", "alltoall_base"), out, x, [],
+                                           [], _options("AllToAllOptions", self.timeout)))
         return out
 
     def reduce_scatter(self, x, what):
@@ -434,15 +443,15 @@ class _Comm:
         out = x.new_empty((x.shape[0] // self.size,) + tuple(x.shape[1:]))
         opts = _options("ReduceScatterOptions", self.timeout)
         opts.reduceOp = dist.ReduceOp.SUM
-        self._wait(self._call(("reduce_scatter_single", "_reduce_scatter_base"), out, x, opts),
-                   what)
+        self._run(what, lambda: self._call(("reduce_scatter_single", "_reduce_scatter_base"),
+                                           out, x, opts))
         return out
 
     def all_reduce(self, x, what):
         y = x.clone()
         opts = _options("AllreduceOptions", self.timeout)
         opts.reduceOp = dist.ReduceOp.SUM
-        self._wait(self.pg.allreduce([y], opts), what)
+        self._run(what, lambda: self.pg.allreduce([y], opts))
         return y
 
     def shift(self, send, send_to, out, recv_from, what):
@@ -456,8 +465,19 @@ class _Comm:
             ops.append(dist.P2POp(dist.irecv, out, _global_rank(self.group, recv_from),
                                   self.group))
         if ops:
-            self._wait(dist.batch_isend_irecv(ops), what)
+            self._run(what, lambda: dist.batch_isend_irecv(ops))
         return out
+
+
+def _group_timeout_s(group, device) -> float | None:
+    """The process group's own timeout in seconds for its backend on ``device`` (``None`` when
+    this torch.distributed does not say)."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        t = pg._get_backend(device).options._timeout
+        return float(t.total_seconds())
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
 
 
 def _global_rank(group, r):
@@ -738,7 +758,7 @@ def cp_csa_layer(q, kv, sink, layout, *, window, ratio, group=None, cp=None, kv_
                  q_idx=None, k_idx=None, weights=None, topk=None, coeff=0.0, scale=None,
                  index_scale=None, v_dim=None, order="id", align=None, grad_mode="clipped",
                  backend="auto", deterministic=True, reduce_sink=True,
-                 chunk_elements=1 << 24, timeout=DEFAULT_TIMEOUT_S) -> CPLayerResult:
+                 chunk_elements=1 << 24, timeout=None) -> CPLayerResult:
     """One packed DSv4 attention layer on this rank of the CP ``group`` (default: the world).
 
     Local inputs as in the module docstring; ``layout`` is the global
@@ -750,7 +770,8 @@ def cp_csa_layer(q, kv, sink, layout, *, window, ratio, group=None, cp=None, kv_
     sink gradient instead of the CP sum (for a trainer that reduces parameter gradients over
     the data x context parallel group itself, as Megatron's DDP does: then do not also reduce
     here). ``timeout`` (seconds, > 0) bounds each of the layer's collectives, forward and
-    backward. Every rank of the group must call this with the same layout and configuration
+    backward (default: :data:`DEFAULT_TIMEOUT_S`, or the process group's own timeout when that
+    is shorter). Every rank of the group must call this with the same layout and configuration
     (checked: a difference raises on every rank), and must run the backward if any rank does.
     """
     if not dist.is_available() or not dist.is_initialized():
@@ -760,13 +781,17 @@ def cp_csa_layer(q, kv, sink, layout, *, window, ratio, group=None, cp=None, kv_
                grad_mode=grad_mode, backend=backend, deterministic=deterministic,
                reduce_sink=reduce_sink)
     error, geo = None, None
+    comm = _Comm(group, DEFAULT_TIMEOUT_S)
+    # The exchange below must be bounded even when this rank's timeout is unusable: the
+    # default is the layer's limit or, when shorter, the process group's own timeout.
+    own = _group_timeout_s(group, comm.exchange_device)
+    comm.set_timeout(DEFAULT_TIMEOUT_S if own is None or own <= 0
+                     else min(DEFAULT_TIMEOUT_S, own))
     try:
-        # The exchange below must be bounded even when this rank's timeout is unusable.
-        timeout_s = DEFAULT_TIMEOUT_S
-        timeout_s = as_real(timeout, "timeout", positive=True)
+        if timeout is not None:
+            comm.set_timeout(as_real(timeout, "timeout", positive=True))
     except (TypeError, ValueError) as exc:
         error = exc
-    comm = _Comm(group, timeout_s)
     try:
         if error is not None:
             raise error

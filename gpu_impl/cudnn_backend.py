@@ -59,7 +59,7 @@ from dsv4_oracle.reference.indexer_loss import IndexerLoss
 
 from . import torch_backend
 from .api import OPS
-from .checks import (choice, reject_loss_values, reject_nan, reject_negative,
+from .checks import (allocated, choice, reject_loss_values, reject_nan, reject_negative,
                      validate_attention_backward, validate_compressor,
                      validate_attention_forward, validate_indexer_scores,
                      validate_sparse_indexer_loss, validate_sparse_indexer_loss_grad,
@@ -240,7 +240,8 @@ def stable_topk(scores, k, *, order: str = "id", align: int | None = None,
                                          deterministic=deterministic)
     rows, cols = s.shape
     dev = s.device
-    ids = torch.full((rows, width), -1, dtype=INDEX_DTYPE, device=dev)
+    ids = allocated(lambda: torch.full((rows, width), -1, dtype=INDEX_DTYPE, device=dev), "k",
+                    f"the ids [T, width] = [{rows}, {width}] (k={k})")
     if route == "trivial":
         lengths = torch.zeros(rows, dtype=INDEX_DTYPE, device=dev)
         return ids, lengths

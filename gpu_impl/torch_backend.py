@@ -45,7 +45,8 @@ from dsv4_oracle.reference.indexer_loss import IndexerLoss
 from dsv4_oracle.reference.qnorm import row_scale
 from dsv4_oracle.reference.layout import PackedLayout
 
-from .checks import (as_bool, as_int, as_real, check_dim, check_layout, choice, float_tensor,
+from .checks import (allocated, as_bool, as_device, as_int, as_real, check_dim, check_layout,
+                     choice, float_tensor,
                      head_dim, index_tensor, reject_loss_values, reject_nan, reject_negative,
                      same_device, validate_attention_backward, validate_compressor,
                      validate_attention_forward, validate_indexer_scores,
@@ -201,7 +202,8 @@ def stable_topk(scores, k, *, order: str = "id", align: int | None = None,
     rows, cols = s.shape
     dev = s.device
     take = min(k, cols)
-    ids = torch.full((rows, width), -1, dtype=INDEX_DTYPE, device=dev)
+    ids = allocated(lambda: torch.full((rows, width), -1, dtype=INDEX_DTYPE, device=dev), "k",
+                    f"the ids [T, width] = [{rows}, {width}] (k={k})")
     lengths = torch.clamp((s > -INF).sum(dim=1), max=take).to(INDEX_DTYPE)
     if take == 0 or rows == 0:
         return ids, lengths
@@ -229,6 +231,8 @@ def indexer_scores(q_idx, k_idx, weights, layout, ratio, *, scale=None, chunk_ro
     """
     q, k, w, ratio, C, scale, dev = validate_indexer_scores(q_idx, k_idx, weights, layout,
                                                             ratio, scale, deterministic)
+    if chunk_rows is not None:           # checked even when no document has a row to chunk
+        as_int(chunk_rows, "chunk_rows", minimum=1)
     T, HI, DI = q.shape
     out = torch.full((T, C), -INF, dtype=F32, device=dev)
     cu_pad = layout.cu_seqlens_padded.tolist()
@@ -289,20 +293,21 @@ def build_csa_indices(layout, *, window, ratio, compressed_ids=None, device=None
         raise ValueError("window=0 needs compressed keys (ratio > 0): a window-only layer "
                          "(ratio 0) needs window >= 1")
     as_bool(deterministic, "deterministic")
+    device = as_device(device, "device")
     if compressed_ids is not None:
         compressed_ids = index_tensor(compressed_ids, "compressed_ids", ndim=2)
         same_device(compressed_ids=compressed_ids)           # no meta tensor
         check_dim(compressed_ids, "compressed_ids", 0, layout.num_rows, "layout.num_rows")
         if ratio == 0:
             raise ValueError("compressed_ids must be None for a window-only layer (ratio 0)")
-        want = None if device is None else torch.device(device)
+        want = device
         if want is not None and (want.type != compressed_ids.device.type or (
                 want.index is not None and want.index != compressed_ids.device.index)):
             raise ValueError(f"device={device} differs from compressed_ids' device "
                              f"{compressed_ids.device}")
         dev = compressed_ids.device
     else:
-        dev = torch.device("cpu") if device is None else torch.device(device)
+        dev = torch.device("cpu") if device is None else device
     T = layout.num_rows
     if T + layout.num_compressed(max(ratio, 1)) >= 2 ** 31:
         raise ValueError("the logical key space T + C does not fit int32 ids")

@@ -181,6 +181,17 @@ def choice(x, name: str, allowed: tuple[str, ...]) -> str:
     return x
 
 
+def allocated(make, name: str, what: str):
+    """``make()``, an allocation whose size comes from the argument ``name``: an allocator
+    failure (a size this machine cannot hold, or one past the element count a tensor can
+    have) is a ``ValueError`` naming ``name`` and ``what`` was to be allocated."""
+    try:
+        return make()
+    except (RuntimeError, MemoryError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{name}: {what} cannot be allocated here ({first})") from None
+
+
 def chunk_rows(rows_per_chunk: int | None, per_row_bytes: int,
                budget_bytes: int = BOUND_CHUNK_BYTES) -> int:
     """Rows per chunk: given explicitly, or as many as fit a fixed memory budget (by default

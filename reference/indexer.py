@@ -43,6 +43,8 @@ def indexer_scores(q_idx, k_idx, weights, layout, ratio, *, scale=None, chunk_ro
     bits never depend on which other rows are evaluated with it (CP invariance, section 10).
     """
     q, k, w, ratio, scale = _inputs(q_idx, k_idx, weights, layout, ratio, scale)
+    if chunk_rows is not None:           # checked even when no document has a row to chunk
+        as_int(chunk_rows, "chunk_rows", minimum=1)
     T, HI, DI = q.shape
     C = k.shape[0]
     out = torch.full((T, C), -math.inf, dtype=torch.float64)

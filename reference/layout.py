@@ -1,18 +1,23 @@
 """Packed THD layout and compressed groups (contract sections 1 and 2)."""
 from __future__ import annotations
 
+import operator
+
 import torch
 
-from ._checks import CPU, as_index, as_int, compute_device
+from ._checks import CPU, allocated, as_index, as_int, compute_device
 
 __all__ = ["PackedLayout"]
 
 
 def _cumulative(x, name: str) -> torch.Tensor:
     if isinstance(x, (list, tuple)):
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in x):
-            raise TypeError(f"{name} must hold ints")
-        x = torch.tensor(list(x), dtype=torch.int64)
+        try:                             # ints, and integers such as numpy.int64 (not bools)
+            if any(isinstance(v, bool) for v in x):
+                raise TypeError
+            x = torch.tensor([operator.index(v) for v in x], dtype=torch.int64)
+        except (TypeError, OverflowError, RuntimeError):
+            raise TypeError(f"{name} must hold ints (int64 values)") from None
     t = as_index(x, name, ndim=1)
     if t.numel() < 1:
         raise ValueError(f"{name} must have at least one entry (B+1 >= 1)")
@@ -67,12 +72,19 @@ class PackedLayout:
         total = int(cu_pad[-1])
         if num_rows is None:
             num_rows = total
+            sized_by = "cu_seqlens" if cu_seqlens_padded is None else "cu_seqlens_padded"
+        else:
+            sized_by = "num_rows"
         num_rows = as_int(num_rows, "num_rows", minimum=0)
         if num_rows < total:
             raise ValueError(f"num_rows={num_rows} is smaller than cu_seqlens_padded[-1]={total}")
         self._cpu = {"cu_seqlens": cu, "cu_seqlens_padded": cu_pad, "doc_lengths": real,
                      "doc_padded_lengths": padded}
         self.num_rows = num_rows
+        allocated(lambda: self._rows(num_rows, total, cu_pad, real), sized_by,
+                  f"a layout of {num_rows} rows (its per-row tensors)")
+
+    def _rows(self, num_rows: int, total: int, cu_pad, real) -> None:
         rows = torch.arange(num_rows, dtype=torch.int64)
         # doc[t] = b with cu_pad[b] <= t < cu_pad[b+1]; right-bisection skips empty documents.
         doc = torch.searchsorted(cu_pad, rows, right=True) - 1

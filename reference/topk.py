@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import as_float64, as_int, choice
+from ._checks import allocated, as_float64, as_int, choice
 
 __all__ = ["stable_topk"]
 
@@ -36,7 +36,8 @@ def stable_topk(scores, k, *, order: str = "id", align: int | None = None):
     # -(+0.0) and -(-0.0) compare equal, so signed zeros tie; -inf scores sort last.
     neg = -s
     take = min(k, cols)
-    ids = torch.full((rows, width), _NO_ID, dtype=torch.int64)
+    ids = allocated(lambda: torch.full((rows, width), _NO_ID, dtype=torch.int64), "k",
+                    f"the ids [T, width] = [{rows}, {width}] (k={k})")
     lengths = torch.clamp((s > float("-inf")).sum(dim=1), max=take).to(torch.int64)
     if take == 0 or rows == 0:
         return ids, lengths

@@ -9,7 +9,11 @@ contract section 10): gloo on the CPU, real processes, each test bounded by a de
   blocked until the process group's timeout.)
 - A fault no validation can see (a rank that never calls the layer, a kernel failing on one
   rank after the exchange) makes the waiting ranks raise ``TimeoutError`` after the layer's
-  own ``timeout``, well before the process group's timeout (60 s here) and the test's deadline.
+  own ``timeout``, well before the process group's timeout (60 s here) and the test's deadline;
+  without ``timeout``, after the process group's own timeout when that is the shorter.
+- A rank whose process leaves the group (after failing in the forward or the backward) makes
+  the others raise the layer's own ``RuntimeError`` at once, whether their collective was
+  waiting or could not start.
 """
 from __future__ import annotations
 
@@ -93,4 +97,26 @@ def test_a_rank_that_exits_makes_the_others_fail_at_once():
                     collective_timeout_s=60.0)
     kind, msg = results[0]
     assert kind == "RuntimeError" and "the loss reduction failed on rank 0" in msg, results[0]
+    assert results[1] == ("RuntimeError", "simulated kernel failure"), results[1]
+
+
+def test_the_layers_limit_defaults_to_a_shorter_group_timeout():
+    """Without ``timeout``, the layer waits no longer than the process group's own timeout
+    (3 s here) when that is shorter than its default (60 s); the failed rank stays alive for
+    8 s, so a wait bounded by anything longer would end in its exit instead."""
+    results = spawn(fault_main, 2, "fails_later", None, 8.0, deadline_s=40.0,
+                    collective_timeout_s=3.0)
+    kind, msg = results[0]
+    assert kind == "TimeoutError", results[0]
+    assert "within 3 s" in msg and "the loss reduction" in msg and "rank 0" in msg, msg
+
+
+def test_a_rank_that_fails_in_the_backward_and_exits_gets_the_layers_message():
+    """The peer's next collective cannot even start (the connection is closed): the layer's
+    own RuntimeError naming the collective and the rank, not gloo's raw message."""
+    results = spawn(fault_main, 2, "fails_in_backward_and_exits", 30.0, deadline_s=20.0,
+                    collective_timeout_s=60.0)
+    kind, msg = results[0]
+    assert kind == "RuntimeError" and msg.startswith("cp_csa_layer: the "), results[0]
+    assert "failed on rank 0 of the CP group (another rank failed or exited" in msg, msg
     assert results[1] == ("RuntimeError", "simulated kernel failure"), results[1]

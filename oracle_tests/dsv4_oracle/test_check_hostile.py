@@ -84,12 +84,14 @@ def test_a_write_into_an_intermediate_fails_the_op(capsys, adapter, level, op, a
 
 def test_a_result_rewritten_by_a_later_call_is_judged_as_returned(capsys):
     """The forward returns out 2x too large; the backward (called later) halves that tensor in
-    place: the judged out is what the forward returned."""
+    place: the judged out is what the forward returned, and the rewrite fails the forward."""
     rc, out, _ = check(capsys, "--impl", FIX + "ResultRewriterAdapter", "--case", LAYER_CASE,
                        "--replays", "1")
     assert rc == 1
     fails = [line for line in out.splitlines() if line.startswith("  FAIL ")]
-    assert [f.split("] ")[1].split(":")[0] for f in fails] == ["out"], fails
+    assert [f.split("] ")[1].split(":")[0] for f in fails] == ["out", "outputs_stable"], fails
+    assert "outputs_stable: sparse_attention_forward: its returned out changed after it was " \
+           "returned, during the later call of sparse_attention_backward" in fails[1]
 
 
 def test_call_op_hands_out_copies_and_names_the_written_elements():
@@ -297,8 +299,8 @@ def test_precision_resolves_per_op():
     (["--replays", "x"], "argument --replays: invalid int value: 'x'"),
     (["--catalog", "nope"], "argument --catalog: invalid choice: 'nope'"),
     (["--precision", "loose"], "argument --precision: invalid choice: 'loose'"),
-    (["--timeout", "-1"], "--timeout must be a number of seconds >= 0"),
-    (["--timeout", "nan"], "--timeout must be a number of seconds >= 0"),
+    (["--timeout", "-1"], "--timeout must be a number of seconds in [0, 1e+06]"),
+    (["--timeout", "nan"], "--timeout must be a number of seconds in [0, 1e+06]"),
     (["--impl", "examples/no_such_file.py:Adapter"],
      "the file 'examples/no_such_file.py' does not exist"),
     (["--impl", "examples/megatron_style_adapter.py:Nope"], "has no attribute 'Nope'"),

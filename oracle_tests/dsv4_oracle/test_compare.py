@@ -140,6 +140,17 @@ def test_exact_counts_and_locates_mismatches():
     assert not compare_exact("ids", e[:2], e).passed
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool])
+def test_exact_compares_the_kind_of_dtype(dtype):
+    """Float ids (or lengths) never equal integer ids, whatever their values: ids and lengths
+    are integers (contract section 5)."""
+    e = torch.tensor([[0, 1, -1], [1, 0, 0]])
+    r = compare_exact("ids", e.to(dtype), e)
+    assert not r.passed and r.extra["expected_dtype"] == "torch.int64"
+    assert r.detail.startswith(f"dtype {dtype} is ") and "expected integer like torch.int64" \
+        in r.detail
+
+
 def test_exact_float_values_and_bits():
     e = torch.tensor([0.0, NAN, 1.0])
     a = torch.tensor([-0.0, NAN, 1.0])

@@ -24,7 +24,7 @@ FAST = {
 
 # mutants that need inputs of their own: (mutant, the case built for it, the killing quantity)
 AIMED = [
-    ("no-max-subtraction", "large-logits", "run"),      # lse = -inf, which the loss op rejects
+    ("no-max-subtraction", "large-logits", "out"),      # out NaN, lse -inf: unusable outputs
     ("relu-gate-ge", "indexer-zero-dots", "dq_idx"),
     ("grad-floor-mask-dropped", "indexer-score-spread", "dq_idx"),
     ("teacher-row-silenced-by-one-head", "sink-mixed", "loss"),

@@ -240,6 +240,11 @@ def _bad_calls(device):
         ("qnorm head dim 0", lambda b: api.q_rms_norm(q[..., :0], backend=b), ValueError, "q"),
         ("qnorm eps", lambda b: api.q_rms_norm(q, eps=-1.0, backend=b), ValueError, "eps"),
         ("backend name", lambda b: api.q_rms_norm(q, backend="triton"), ValueError, "backend"),
+        ("topk k beyond memory", lambda b: api.stable_topk(s, 2 ** 40, backend=b), ValueError, "k: the ids [T, width]"),
+        ("indices device string", lambda b: api.build_csa_indices(lay, window=4, ratio=0, device="gpu0", backend=b), ValueError, "device='gpu0' is not a device"),
+        ("indices device int", lambda b: api.build_csa_indices(lay, window=4, ratio=0, device=7, backend=b), TypeError, "device must be a str or torch.device"),
+        ("forward chunk_rows 0", lambda b: api.sparse_attention_forward(q, kvp, ids, sink, chunk_rows=0, backend=b), ValueError, "chunk_rows"),
+        ("indexer chunk_rows 0, no group to chunk", lambda b: api.indexer_scores(x["q_idx"], x["k_idx"][:0], x["weights"], lay, 4096, chunk_rows=0, backend=b), ValueError, "chunk_rows"),
     ], good
 
 

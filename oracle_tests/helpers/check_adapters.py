@@ -274,3 +274,299 @@ class MappedPrecisionAdapter(LoosePrecisionAdapter):
     mapping op -> Precision."""
 
     precision = {"sparse_attention_forward": Precision(acc=torch.bfloat16, io=torch.bfloat16)}
+
+
+# ---------------------------------------------------------------------------------------------
+# outputs the adapter changes after returning them
+# ---------------------------------------------------------------------------------------------
+class WorkspaceForwardAdapter(GpuImplAdapter):
+    """gpu_impl:torch whose forward returns views of workspaces it keeps and rewrites on its next
+    call (as static CUDA-graph buffers and cached workspaces do): right when returned, changed
+    by the next call on other inputs."""
+
+    ops = ("sparse_attention_forward", "sparse_attention_backward")
+
+    def __init__(self):
+        super().__init__("torch", "cpu")
+        self.name = "workspace forward (test fixture)"
+        self._ws: dict = {}
+
+    def sparse_attention_forward(self, q, kv, ids, sink, *, v_dim=None, lengths=None):
+        out, lse, _ = super().sparse_attention_forward(q, kv, ids, sink, v_dim=v_dim,
+                                                       lengths=lengths)
+        key = (tuple(out.shape), tuple(lse.shape))
+        if key not in self._ws:
+            self._ws[key] = (torch.empty_like(out), torch.empty_like(lse))
+        w_out, w_lse = self._ws[key]
+        w_out.copy_(out)
+        w_lse.copy_(lse)
+        return w_out, w_lse
+
+
+class ScratchOutBackwardAdapter(GpuImplAdapter):
+    """gpu_impl:torch whose backward uses the ``out`` its forward returned as scratch space
+    (zeroing it), after computing the right gradients."""
+
+    ops = ("sparse_attention_forward", "sparse_attention_backward")
+
+    def __init__(self):
+        super().__init__("torch", "cpu")
+        self.name = "backward scribbling on the forward's out (test fixture)"
+        self._out = None
+
+    def sparse_attention_forward(self, q, kv, ids, sink, *, v_dim=None, lengths=None):
+        out, lse, _ = super().sparse_attention_forward(q, kv, ids, sink, v_dim=v_dim,
+                                                       lengths=lengths)
+        self._out = out
+        return out, lse
+
+    def sparse_attention_backward(self, q, kv, ids, sink, out, lse, dout, *, v_dim=None,
+                                  lengths=None):
+        grads = super().sparse_attention_backward(q, kv, ids, sink, out, lse, dout,
+                                                  v_dim=v_dim, lengths=lengths)[:3]
+        if self._out is not None:
+            self._out.zero_()
+        return grads
+
+
+class _FillOnBackward(torch.autograd.Function):
+    """Returns a zero buffer; its backward copies the real value into that buffer."""
+
+    @staticmethod
+    def forward(ctx, real):
+        buf = torch.zeros_like(real)
+        ctx.real, ctx.buf = real.detach(), buf
+        return buf
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.buf.copy_(ctx.real)
+        return g
+
+
+class LateOutLayerAdapter(GpuImplAdapter):
+    """gpu_impl:torch whose packed layer returns ``out`` as zeros and fills the right values in
+    during its backward."""
+
+    ops = ("csa_layer",)
+
+    def __init__(self):
+        super().__init__("torch", "cpu")
+        self.name = "layer filling out in its backward (test fixture)"
+
+    def csa_layer(self, *args, **kwargs):
+        res = super().csa_layer(*args, **kwargs)
+        return res._replace(out=_FillOnBackward.apply(res.out))
+
+
+# ---------------------------------------------------------------------------------------------
+# ops that fail, or return something no later op can use: that op fails, the rest is judged
+# ---------------------------------------------------------------------------------------------
+class _Torch(GpuImplAdapter):
+    """gpu_impl:torch on the CPU, op level (every op), with one op replaced below."""
+
+    ops = OPS
+
+    def __init__(self):
+        super().__init__("torch", "cpu")
+        self.name = type(self).__doc__.split("\n")[0].strip() + " (test fixture)"
+
+
+class RaisingTopkAdapter(_Torch):
+    """Top-K raises."""
+
+    def stable_topk(self, scores, k, *, order="id"):
+        raise RuntimeError("top-k kernel rejects this shape (test fixture)")
+
+
+class FloatIdsAdapter(_Torch):
+    """CSA rows returned as float32 ids and lengths."""
+
+    def build_csa_indices(self, layout, *, window, ratio, compressed_ids=None):
+        ids, lengths = super().build_csa_indices(layout, window=window, ratio=ratio,
+                                                 compressed_ids=compressed_ids)[:2]
+        return ids.float(), lengths.float()
+
+
+class FloatTopkIdsAdapter(_Torch):
+    """Top-K ids returned as float32."""
+
+    def stable_topk(self, scores, k, *, order="id"):
+        ids, lengths = super().stable_topk(scores, k, order=order)[:2]
+        return ids.float(), lengths
+
+
+class WrongRowsOutAdapter(_Torch):
+    """The forward returns 59 rows of out, whatever T."""
+
+    def sparse_attention_forward(self, q, kv, ids, sink, *, v_dim=None, lengths=None):
+        out, lse = super().sparse_attention_forward(q, kv, ids, sink, v_dim=v_dim,
+                                                    lengths=lengths)[:2]
+        return out.new_zeros((59,) + tuple(out.shape[1:])), lse
+
+
+class IntOutAdapter(_Torch):
+    """The forward returns out as int32."""
+
+    def sparse_attention_forward(self, q, kv, ids, sink, *, v_dim=None, lengths=None):
+        out, lse = super().sparse_attention_forward(q, kv, ids, sink, v_dim=v_dim,
+                                                    lengths=lengths)[:2]
+        return out.to(torch.int32), lse
+
+
+class MetaOutAdapter(_Torch):
+    """The forward returns meta tensors."""
+
+    def sparse_attention_forward(self, q, kv, ids, sink, *, v_dim=None, lengths=None):
+        out, lse = super().sparse_attention_forward(q, kv, ids, sink, v_dim=v_dim,
+                                                    lengths=lengths)[:2]
+        return out.to("meta"), lse.to("meta")
+
+
+class NaNLseAdapter(_Torch):
+    """The forward returns an all-NaN lse."""
+
+    def sparse_attention_forward(self, q, kv, ids, sink, *, v_dim=None, lengths=None):
+        out, lse = super().sparse_attention_forward(q, kv, ids, sink, v_dim=v_dim,
+                                                    lengths=lengths)[:2]
+        return out, torch.full_like(lse, float("nan"))
+
+
+class HugeScoresAdapter(_Torch):
+    """The indexer returns -1e30 instead of -inf for groups a row cannot see."""
+
+    def indexer_scores(self, q_idx, k_idx, weights, layout, ratio):
+        s = super().indexer_scores(q_idx, k_idx, weights, layout, ratio)[0]
+        return torch.where(torch.isinf(s), torch.full_like(s, -1e30), s)
+
+
+class ExpandedScoresAdapter(_Torch):
+    """The indexer returns one row's scores expanded over every row (overlapping memory)."""
+
+    def indexer_scores(self, q_idx, k_idx, weights, layout, ratio):
+        s = super().indexer_scores(q_idx, k_idx, weights, layout, ratio)[0]
+        return s[-1:].expand_as(s)
+
+
+class InvisibleTopkAdapter(_Torch):
+    """Top-K selects group 0 in every row, visible or not."""
+
+    def stable_topk(self, scores, k, *, order="id"):
+        ids, lengths = super().stable_topk(scores, k, order=order)[:2]
+        ids = ids.clone()
+        ids[:, 0] = 0
+        return ids, lengths
+
+
+class MissingKeywordAdapter:
+    """The forward lacks the protocol's keywords."""
+
+    name = "forward without keywords (test fixture)"
+
+    def sparse_attention_forward(self, q, kv, ids, sink):
+        return q, q[..., 0]
+
+
+class RaisingLayerBackwardAdapter(GpuImplAdapter):
+    """gpu_impl:torch whose packed layer's backward raises (its forward is right)."""
+
+    ops = ("csa_layer",)
+
+    def __init__(self):
+        super().__init__("torch", "cpu")
+        self.name = "layer backward raising (test fixture)"
+
+    def csa_layer(self, *args, **kwargs):
+        res = super().csa_layer(*args, **kwargs)
+        return res._replace(out=_RaiseOnBackward.apply(res.out))
+
+
+class _RaiseOnBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("backward kernel failed (test fixture)")
+
+
+# ---------------------------------------------------------------------------------------------
+# messages no terminal, file or XML parser would take as they are
+# ---------------------------------------------------------------------------------------------
+class _StrRaises(RuntimeError):
+    def __str__(self):
+        raise ValueError("no text")
+
+
+class _MessageAdapter:
+    """The attention forward raises ``self.error()``."""
+
+    def sparse_attention_forward(self, q, kv, ids, sink, *, v_dim=None, lengths=None):
+        raise self.error()
+
+
+class SurrogateMessageAdapter(_MessageAdapter):
+    name = "message with a lone surrogate (test fixture)"
+    error = staticmethod(lambda: RuntimeError("bad byte \udcff in a path, caf\u00e9"))
+
+
+class ControlCharsMessageAdapter(_MessageAdapter):
+    name = "message with ANSI codes and a NUL (test fixture)"
+    error = staticmethod(lambda: RuntimeError("\x1b[31mred\x1b[0m\x00 and\nmore"))
+
+
+class HugeMessageAdapter(_MessageAdapter):
+    name = "5 MB message (test fixture)"
+    error = staticmethod(lambda: RuntimeError("x" * 5_000_000))
+
+
+class StrRaisesAdapter(_MessageAdapter):
+    name = "exception whose str() raises (test fixture)"
+    error = _StrRaises
+
+
+class OddBackendsLayerAdapter(GpuImplAdapter):
+    """gpu_impl:torch whose packed layer names its backends with non-strings."""
+
+    ops = ("csa_layer",)
+
+    def __init__(self):
+        super().__init__("torch", "cpu")
+        self.name = "layer with odd backends (test fixture)"
+
+    def csa_layer(self, *args, **kwargs):
+        res = super().csa_layer(*args, **kwargs)
+        return res._replace(backends={1: object(), "indexer_scores": None, None: 2.5})
+
+
+# ---------------------------------------------------------------------------------------------
+# hangs the watchdog must end
+# ---------------------------------------------------------------------------------------------
+class GilHoldingSleeperAdapter:
+    """The attention forward sleeps in C while holding the GIL, with SIGALRM blocked in its
+    thread (native code that no interrupt reaches and no Python thread can run beside)."""
+
+    name = "GIL-holding native sleep (test fixture)"
+
+    def sparse_attention_forward(self, q, kv, ids, sink, *, v_dim=None, lengths=None):
+        import ctypes
+        import signal
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        libc = ctypes.PyDLL(None)            # PyDLL: the call keeps the GIL
+        while True:
+            libc.sleep(3600)
+
+
+class HangingConstructorAdapter:
+    """Its construction never returns."""
+
+    def __init__(self):
+        while True:
+            try:
+                time.sleep(3600)
+            except Exception:
+                pass
+
+    def sparse_attention_forward(self, *args, **kwargs):
+        raise AssertionError("never reached")

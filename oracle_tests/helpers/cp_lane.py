@@ -332,31 +332,44 @@ def _fault_on_last_rank(what, loc, kwargs):
     return bad, dict(kwargs, **extra)
 
 
-def fault_main(rank, world, what, timeout):
+def fault_main(rank, world, what, timeout, hold_s=None):
     """A fault that no agreement can catch, with the layer's collectives bounded by
-    ``timeout``: ``never_joins`` (the last rank never calls the layer), ``fails_later`` (the
-    last rank's attention kernel fails after the validation exchange, while the others go on
-    to the next collective; the failed rank's process stays alive) or ``fails_and_exits`` (the
-    same, and the failed rank's process leaves the group at once). Returns
-    ``(exception type, message)`` or ``None``."""
+    ``timeout`` (``None``: the layer's default): ``never_joins`` (the last rank never calls the
+    layer), ``fails_later`` (the last rank's attention kernel fails after the validation
+    exchange, while the others go on to the next collective; the failed rank's process stays
+    alive for ``hold_s`` seconds, default ``timeout + 3``), ``fails_and_exits`` (the same, and
+    the failed rank's process leaves the group at once) or ``fails_in_backward_and_exits``
+    (the last rank's attention backward kernel fails, and its process leaves the group).
+    Returns ``(exception type, message)`` or ``None``."""
     import time
 
     from dsv4_oracle.gpu_impl import api
     case = CASES["csa"]
     loc = local_inputs(case, make_inputs(case), world, rank)
+    hold = hold_s if hold_s is not None else (timeout or 0) + 3
+    if what == "fails_in_backward_and_exits" and rank != world - 1:
+        kernel = api.sparse_attention_backward
+
+        def late(*args, **kwargs):       # the failed rank has left before this rank goes on
+            time.sleep(2.0)
+            return kernel(*args, **kwargs)
+        api.sparse_attention_backward = late
     if rank == world - 1:
         if what == "never_joins":
-            time.sleep(timeout + 3)
+            time.sleep(hold)
             return None
 
         def broken(*args, **kwargs):
             raise RuntimeError("simulated kernel failure")
-        api.sparse_attention_forward = broken        # this process only (a forked rank)
+        if what == "fails_in_backward_and_exits":     # this process only (a forked rank)
+            api.sparse_attention_backward = broken
+        else:
+            api.sparse_attention_forward = broken
     try:
-        run_layer(case, loc, timeout=timeout)
+        run_layer(case, loc, **({} if timeout is None else {"timeout": timeout}))
     except Exception as exc:  # noqa: BLE001 - the test judges the type and message
         if rank == world - 1 and what == "fails_later":
-            time.sleep(timeout + 3)
+            time.sleep(hold)
         return type(exc).__name__, str(exc)
     return None
 

@@ -98,9 +98,13 @@ def run_impl(impl: Impl, case: Case, x: dict, *, deterministic: bool = True,
     """The implementation's pipeline on ``x`` (tensors already on ``impl.device``): every output
     of :data:`fixtures.pipeline.OUTPUT_NAMES` it computes, on its device, plus ``backends``
     (op -> the backend that ran it). ``chunk_rows`` is passed to the ops that take it (row
-    chunking of the implementation). See :func:`dsv4_oracle.conformance.run_ops`."""
+    chunking of the implementation). See :func:`dsv4_oracle.conformance.run_ops`; an op that
+    fails (raises, writes into an argument, returns an unusable output) raises its
+    :class:`~dsv4_oracle.invoke.OpError` here, as the suite's implementations never may."""
     run = conformance.run_ops(impl.adapter(deterministic=deterministic, chunk_rows=chunk_rows),
                               case, x)
+    if run.failed:
+        raise next(iter(run.failed.values()))
     return {**run.got, "backends": run.backends}
 
 

@@ -134,6 +134,15 @@ def test_nothing_to_judge_is_skipped():
     ("no_such_module_xyz:Adapter", {}, ValueError, "implementation: cannot import module"),
     (None, {}, TypeError, "implementation must be an adapter object"),
     (object(), {}, ValueError, "implementation: adapter object provides none of the ops"),
+    ("counting", dict(ops=3), TypeError, "ops must be a list of op names"),
+    ("counting", dict(timeout=1e12), ValueError, "timeout must be a number of seconds in [0, "),
+    ("counting", dict(timeout="60"), TypeError, "timeout must be a number of seconds"),
+    ("counting", dict(precision="bf16"), TypeError, "precision must be a "
+                                                    "reference.error_model.Precision"),
+    ("counting", dict(precision=lambda dt: "bf16"), TypeError, "precision: adapter gpu_impl:torch: "
+     "precision(torch.bfloat16) for sparse_attention_forward returned str"),
+    ("counting", dict(precision=lambda dt: 1 / 0), ValueError, "precision: adapter gpu_impl:torch: "
+     "precision(torch.bfloat16) for sparse_attention_forward: ZeroDivisionError"),
 ])
 def test_bad_arguments_raise_before_anything_runs(impl, kwargs, error, needle):
     counting = Counting()
@@ -151,3 +160,48 @@ def test_an_adapter_keeps_its_spec_and_device_under_a_precision_override():
         assert_conforms(a, CASE, ops=["sparse_attention_forward"], replays=0,
                         precision=ORACLE_PRECISION)
     assert str(e.value).startswith(f"dsv4-oracle: gpu_impl:torch on cpu: case {CASE}:")
+
+
+def test_ops_may_be_any_iterable_read_once():
+    """A generator is read once, by assert_conforms, not consumed by a type check first."""
+    outcome = assert_conforms(Counting(), CASE, replays=0,
+                              ops=(o for o in ["sparse_attention_forward"]))
+    assert {"out", "lse"} <= {c.extra["quantity"] for c in outcome.checks if c.judged}
+
+
+def test_the_production_ids_are_case_ids():
+    """The ids cases("production") gives are accepted (checked here up to the first argument
+    read after the case: an unknown op)."""
+    (first, *_) = cases("production")
+    with pytest.raises(ValueError, match="ops: unknown op 'nope'"):
+        assert_conforms(Counting(), first.id, ops=["nope"])
+
+
+def test_an_op_over_the_timeout_fails_the_case():
+    with pytest.raises(ConformanceError) as e:
+        assert_conforms("oracle_tests.helpers.check_adapters:SleeperAdapter", CASE, replays=0,
+                        timeout=0.5)
+    (bad,) = e.value.outcome.failed_checks
+    assert bad.detail == "did not return within 0.5 s (--timeout)"
+
+
+def test_a_layer_whose_out_appears_in_its_backward_fails():
+    """The packed layer's forward outputs are judged as the forward returned them."""
+    with pytest.raises(ConformanceError) as e:
+        assert_conforms("oracle_tests.helpers.check_adapters:LateOutLayerAdapter",
+                        "capacity-rows", replays=0)
+    assert [c.extra["quantity"] for c in e.value.outcome.failed_checks] == ["out",
+                                                                            "outputs_stable"]
+
+
+def test_ops_naming_no_op_is_an_error_not_a_skip():
+    counting = Counting()
+    try:
+        assert_conforms(counting, CASE, ops=[])
+    except ValueError as exc:
+        assert "ops: names no op" in str(exc)
+    except pytest.skip.Exception:
+        pytest.fail("ops=[] skipped the test instead of raising ValueError")
+    else:
+        pytest.fail("ops=[] passed")
+    assert counting.calls == 0

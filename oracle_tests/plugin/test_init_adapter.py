@@ -53,6 +53,11 @@ def test_the_template_loads_and_passes_the_check(tmp_path, monkeypatch, capsys):
     ("existing.py", "existing.py exists; not overwriting it"),
     ("adapter.txt", "'adapter.txt' does not end in .py"),
     (os.path.join("no_such_dir", "a.py"), "directory no_such_dir does not exist"),
+    (os.path.join("existing.py", "a.py"), "existing.py is not a directory"),
+    ("my-kernel.py", "'my-kernel.py' is not a Python module name, which the checker imports the "
+                     "file as (use, e.g., my_kernel.py)"),
+    (".py", "'.py' is not a Python module name"),
+    ("class.py", "'class.py' is not a Python module name"),
 ])
 def test_refusals_are_one_line_and_status_2(tmp_path, monkeypatch, capsys, path, needle):
     monkeypatch.chdir(tmp_path)
@@ -71,3 +76,14 @@ def test_default_path(tmp_path, monkeypatch, capsys):
     assert rc == 0 and os.listdir(tmp_path) == [DEFAULT_PATH] == ["dsv4_adapter.py"]
     rc, _, err = _init(capsys)
     assert rc == 2 and "dsv4_adapter.py exists" in err
+
+
+def test_a_leftover_temporary_file_is_neither_a_conflict_nor_removed(tmp_path, monkeypatch,
+                                                                    capsys):
+    monkeypatch.chdir(tmp_path)
+    leftover = tmp_path / f".mine.py.{os.getpid()}.tmp"
+    leftover.write_text("someone's\n")
+    rc, out, err = _init(capsys, "mine.py")
+    assert rc == 0, err
+    assert leftover.read_text() == "someone's\n"
+    assert sorted(os.listdir(tmp_path)) == [leftover.name, "mine.py"]

@@ -166,6 +166,9 @@ CASES = [
     ("layout-num-rows-small", "layout", lambda b: dict(num_rows=7), ValueError, "num_rows"),
     ("layout-num-rows-float", "layout", lambda b: dict(num_rows=10.0), TypeError, "num_rows"),
     ("layout-num-rows-bool", "layout", lambda b: dict(num_rows=True), TypeError, "num_rows"),
+    ("layout-rows-beyond-memory", "layout", lambda b: dict(cu_seqlens=[0, 2 ** 40], cu_seqlens_padded=None, num_rows=None), ValueError, "cu_seqlens"),
+    ("layout-num-rows-beyond-memory", "layout", lambda b: dict(num_rows=2 ** 40), ValueError, "num_rows"),
+    ("layout-list-of-bools", "layout", lambda b: dict(cu_seqlens=[0, True, 5]), TypeError, "cu_seqlens"),
     # section 4: stable Top-K
     ("topk-not-tensor", "topk", lambda b: dict(scores=[[1.0, 2.0]]), TypeError, "scores"),
     ("topk-int-scores", "topk", lambda b: dict(scores=torch.ones(3, 4, dtype=torch.int64)), TypeError, "scores"),
@@ -175,6 +178,7 @@ CASES = [
     ("topk-k-float", "topk", lambda b: dict(k=2.0), TypeError, "k"),
     ("topk-order", "topk", lambda b: dict(order="value"), ValueError, "order"),
     ("topk-align-zero", "topk", lambda b: dict(align=0), ValueError, "align"),
+    ("topk-k-beyond-memory", "topk", lambda b: dict(k=2 ** 40), ValueError, "k"),
     # section 7: indexer
     ("indexer-layout", "indexer", lambda b: dict(layout=(0, 7, 18)), TypeError, "layout"),
     ("indexer-ratio-zero", "indexer", lambda b: dict(ratio=0), ValueError, "ratio"),
@@ -187,6 +191,8 @@ CASES = [
     ("indexer-w-rows", "indexer", lambda b: dict(weights=b["weights"][1:]), ValueError, "weights"),
     ("indexer-scale-inf", "indexer", lambda b: dict(scale=INF), ValueError, "scale"),
     ("indexer-scale-str", "indexer", lambda b: dict(scale="0.5"), TypeError, "scale"),
+    # no document has a group at ratio 64: chunk_rows is checked although no row is chunked
+    ("indexer-chunk-zero-unread", "indexer", lambda b: dict(ratio=64, k_idx=b["k_idx"][:0], chunk_rows=0), ValueError, "chunk_rows"),
     ("indexer-head-dim-zero", "indexer", lambda b: dict(q_idx=b["q_idx"][..., :0], k_idx=b["k_idx"][:, :0]), ValueError, "q_idx"),
     # section 5: CSA rows
     ("indices-layout", "indices", lambda b: dict(layout=None), TypeError, "layout"),
@@ -305,6 +311,16 @@ def test_bad_input_raises_naming_the_argument(valid, case_id, builder, change, e
     assert re.search(rf"(?<![A-Za-z0-9_.]){re.escape(name)}(?![A-Za-z0-9_])", str(info.value)), \
         f"message does not name {name!r}: {info.value}"
     assert [content_hash(t) for t in tensors] == before
+
+
+def test_layout_offsets_may_be_any_integer_type():
+    """numpy integers (and any object with ``__index__``) are integers; the layout is the one
+    the Python ints give."""
+    np = pytest.importorskip("numpy")
+    a = R.PackedLayout([np.int64(0), np.int32(3)], [np.int64(0), np.int64(4)], np.int64(6))
+    b = R.PackedLayout([0, 3], [0, 4], 6)
+    assert a.num_rows == b.num_rows == 6
+    assert torch.equal(a.is_real, b.is_real) and torch.equal(a.pos, b.pos)
 
 
 def test_zigzag_names_the_capacity_tail():
