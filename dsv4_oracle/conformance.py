@@ -1010,13 +1010,14 @@ def _measure_convention(j: _Judging, st: Stage) -> tuple:
     (``Delta`` moves by ``|dout|^2``); one of the "recomputed" convention does not move. The
     observed change of ``dq`` and ``dsink`` (both follow ``Delta`` row by row) is compared with
     ``D`` and with 0 in units of the judged run's "given" bound; the closer one is the
-    convention. ``None`` when ``D`` is within twice that bound
+    convention, read from the gradient that fits one of the two best (a defect in the other
+    cannot mislead it). ``None`` when ``D`` is within twice that bound
     everywhere (the case cannot tell the conventions apart, e.g. no row has keys) or a shape
     differs."""
     probe = j.probe
     g_main, b_main = _expected_backward(j, st, "given")
     g_moved = j.oracle(st, out=probe["out"])
-    apart, r_giv, r_rec = 0.0, 0.0, 0.0
+    apart, fits = 0.0, []
     for name, e0, e1, b in zip(_GRADS, g_main, g_moved, b_main):
         if name == "dkv" or name not in j.got or name not in probe:
             continue                # dq and dsink follow Delta row by row; dkv adds nothing
@@ -1024,13 +1025,18 @@ def _measure_convention(j: _Judging, st: Stage) -> tuple:
         if tuple(a0.shape) != tuple(e0.shape) or tuple(a1.shape) != tuple(e0.shape):
             return None, "a gradient has the wrong shape"
         d = e1 - e0
-        apart = max(apart, _max_ratio(d, torch.zeros_like(d), 2 * b))
-        r_giv = max(r_giv, _max_ratio(a1 - a0, d, b))
-        r_rec = max(r_rec, _max_ratio(a1 - a0, torch.zeros_like(d), b))
+        tells = _max_ratio(d, torch.zeros_like(d), 2 * b)
+        apart = max(apart, tells)
+        if tells > 1:               # this gradient can tell the conventions apart
+            fits.append((name, _max_ratio(a1 - a0, d, b),
+                         _max_ratio(a1 - a0, torch.zeros_like(d), b)))
     if apart <= 1:
         return None, "the case cannot tell the conventions apart"
+    # the gradient whose move fits one of the two expectations best decides: a defect in the
+    # other (a flipped dsink moves by -D, neither D nor 0) cannot mislead the measurement
+    name, r_giv, r_rec = min(fits, key=lambda f: min(f[1], f[2]))
     conv = "given" if r_giv <= r_rec else "recomputed"
-    return conv, (f"the probe moved the gradients {r_giv:.3g} given-bounds away from the "
+    return conv, (f"the probe moved {name} {r_giv:.3g} given-bounds away from the "
                   f"'given' expectation and {r_rec:.3g} from 'recomputed'")
 
 

@@ -406,8 +406,11 @@ MUTANTS: tuple[Mutant, ...] = (
        "the whole row's teacher instead of that head alone",
        (TB, "any_live = live.any(dim=1, keepdim=True)", "any_live = live.all(dim=1, keepdim=True)"),
        first=["sink-mixed"]),
-    _m("teacher-linear-domain", "the teacher computed in the linear domain, exp(s - LSEf) "
-       "summed (underflows to 0 at huge sinks and large logits)",
+    _m("teacher-linear-domain", "the teacher computed in the linear domain from the full "
+       "normaliser, exp(s - LSEf) summed (every head underflows to 0 at a huge sink)",
+       (TB, "    lsef, has_mass = teacher_normalisers(lse.to(F32), sink.to(F32))",
+        "    lsef = torch.logaddexp(lse.to(F32), sink.to(F32).unsqueeze(0))\n"
+        "    has_mass = torch.isfinite(lsef).any(dim=1)"),
        (TB, "        per_c = torch.logsumexp(log_a, dim=1)                                 # [n, Kc]\n"
         "        norm = torch.logsumexp(per_c, dim=1, keepdim=True)\n"
         "        norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))\n"
@@ -416,7 +419,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "        z_lin = a_lin.sum(dim=1, keepdim=True)\n"
         "        tau = torch.where(massive & (z_lin > 0), a_lin / z_lin.clamp_min(1e-38), "
         "torch.zeros_like(a_lin))"),
-       first=["sink-large", "large-logits"]),
+       first=["sink-large", "short-docs-sink-large"]),
     _m("student-log-unclipped", "the KL takes log p without the floor (a student that "
        "underflows to 0 gives an infinite KL)",
        (TB, "    terms = a * (torch.log(a) - torch.log(torch.clamp_min(p, floor)))",

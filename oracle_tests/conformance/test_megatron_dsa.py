@@ -26,7 +26,7 @@ from dsv4_oracle.examples.megatron_dsa_adapter import (MEGATRON_POLICIES, Megatr
 from dsv4_oracle.fixtures import get
 from dsv4_oracle.protocol import OPS
 from dsv4_oracle.reference.contract_policies import DEFAULT_POLICIES, POLICIES
-from dsv4_oracle.runner import level_precision, quick_ids
+from dsv4_oracle.runner import _op_failed, level_precision, quick_ids
 
 DSA_QUICK = sorted(c for c in quick_ids() if c.startswith("dsa-"))
 # CSA cases of the quick catalog the configurations below are run on (padding, sinks of every
@@ -50,6 +50,8 @@ def verdict(obj, case_id: str, *, declared: bool = True, ops=None) -> dict:
     checks = conformance.judge(case, x, run.got, consumed=run.consumed,
                                precision=level_precision(adapter, case.torch_dtype, "op"),
                                cache=_CACHE.setdefault(case_id, {}), policies=adapter.policies)
+    # an output the contract's rules refuse when the op returns fails as that quantity
+    checks += [_op_failed(e, "op") for e in run.failed.values()]
     want = {"cmp_ids", "out", "dq", "loss"} | ({"scores"} if case.scores == "indexer" else set())
     assert {c.extra["quantity"] for c in checks} >= want
     assert ops is not None or case.scores != "indexer" or \
@@ -156,6 +158,7 @@ def test_a_cache_shared_by_judgings_under_other_policies_keeps_them_apart():
         checks = conformance.judge(case, x, run.got, consumed=run.consumed, cache=cache,
                                    precision=level_precision(adapter, case.torch_dtype, "op"),
                                    policies=adapter.policies)
+        checks += [_op_failed(e, "op") for e in run.failed.values()]
         verdicts.append([c.passed for c in checks if c.extra["quantity"] == "scores"])
     assert verdicts == [[False], [True]]
 

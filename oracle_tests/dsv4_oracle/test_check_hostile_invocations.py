@@ -43,8 +43,8 @@ BAD_INVOCATIONS = [
                                       "'{tmp}/afile/sub': Not a directory"),
     (["--junit", "{tmp}/afile/j.xml"], "--junit '{tmp}/afile/j.xml': cannot write into"),
     (["--junit", "{tmp}"], "--junit '{tmp}' is a directory, not a file"),
-    (["--ops", ""], "--ops: names no op; ops are indexer_scores, stable_topk"),
-    (["--ops", ","], "--ops: names no op; ops are indexer_scores, stable_topk"),
+    (["--ops", ""], "--ops: names no op; ops are compressor_forward, indexer_compressor_forward, indexer_scores"),
+    (["--ops", ","], "--ops: names no op; ops are compressor_forward, indexer_compressor_forward, indexer_scores"),
 ]
 
 

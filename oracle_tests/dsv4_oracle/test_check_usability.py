@@ -161,13 +161,15 @@ def test_the_summary_names_the_ops_judged_and_the_ops_the_oracle_feeds(capsys):
                        "capacity-rows", "--replays", "0")
     assert rc == 0
     assert out.splitlines()[1] == ("ops judged: sparse_attention_forward; fed by the oracle "
-                                   "(where a case has them): indexer_scores, stable_topk, "
+                                   "(where a case has them): compressor_forward, "
+                                   "indexer_compressor_forward, indexer_scores, stable_topk, "
                                    "build_csa_indices")
     rc, out, _ = check(capsys, "--impl", "gpu_impl:torch", "--ops", "sparse_attention_backward",
                        "--case", OP_CASE, "--replays", "0")
     assert rc == 0
     assert out.splitlines()[1] == ("ops judged: sparse_attention_backward; fed by the oracle "
-                                   "(where a case has them): indexer_scores, stable_topk, "
+                                   "(where a case has them): compressor_forward, "
+                                   "indexer_compressor_forward, indexer_scores, stable_topk, "
                                    "build_csa_indices, sparse_attention_forward")
 
 
@@ -191,7 +193,7 @@ def _slip_folder(tmp_path, monkeypatch):
     (["--impl", "refrence"], "did you mean 'reference'?"),
     (["--impl", "gpu_impl:torhc"], "did you mean 'gpu_impl:torch'?"),
     (["--impl", "gpu_impl:torch", "--ops", "sparse_attention_foward"],
-     "unknown op 'sparse_attention_foward'; ops are indexer_scores"),
+     "unknown op 'sparse_attention_foward'; ops are compressor_forward, indexer_compressor_forward"),
     (["--case", "sink-mixd"], "--case 'sink-mixd' matches no case of the full catalog; did you "
                               "mean 'sink-mixed'?"),
     (["--impl", "adapters.py:Adapter", "--device", "cpus"], "--device 'cpus' is not a torch "

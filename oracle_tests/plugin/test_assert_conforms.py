@@ -90,7 +90,8 @@ def test_a_wrong_implementation_raises_the_case_table():
     assert lines[0] == (f"dsv4-oracle: oracle_tests.helpers.check_adapters:SignFlipAdapter on cpu: case "
                         f"{CASE}: 1 of {len(err.outcome.checks)} checks failed, 3 not judged")
     assert lines[1] == ("ops judged: sparse_attention_forward, sparse_attention_backward; fed "
-                        "by the oracle (where a case has them): indexer_scores, stable_topk, "
+                        "by the oracle (where a case has them): compressor_forward, "
+                        "indexer_compressor_forward, indexer_scores, stable_topk, "
                         "build_csa_indices")
     assert lines[2].split() == ["case", "level", "quantity", "check", "ratio", "detail"]
     assert lines[4].split()[:5] == ["FAIL", CASE, "op", "dsink", "dsink"]
@@ -190,8 +191,11 @@ def test_a_layer_whose_out_appears_in_its_backward_fails():
     with pytest.raises(ConformanceError) as e:
         assert_conforms("oracle_tests.helpers.check_adapters:LateOutLayerAdapter",
                         "capacity-rows", replays=0)
-    assert [c.extra["quantity"] for c in e.value.outcome.failed_checks] == ["out",
-                                                                            "outputs_stable"]
+    failed = [c.extra["quantity"] for c in e.value.outcome.failed_checks]
+    assert {"out", "outputs_stable"} <= set(failed)
+    # what else fails is the backward, formed from an out the judge never saw (no op level
+    # measures its convention; neither expectation is the zeros it returned nor the oracle's)
+    assert set(failed) <= {"out", "outputs_stable", "dq", "dsink"}, failed
 
 
 def test_ops_naming_no_op_is_an_error_not_a_skip():
