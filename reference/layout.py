@@ -159,6 +159,15 @@ class PackedLayout:
         return torch.where(seen, cols.expand(self.num_rows, C), torch.full_like(seen, -1,
                                                                                 dtype=torch.int64))
 
+    def clone(self) -> "PackedLayout":
+        """The same layout over private copies of its tensors (what an implementation is handed:
+        nothing it writes reaches this one), without building it again."""
+        new = object.__new__(type(self))
+        new._cpu = {k: v.clone() for k, v in self._cpu.items()}
+        new.num_rows = self.num_rows
+        new._copies = {}
+        return new
+
     def padding_as_real(self) -> "PackedLayout":
         """The layout with every padding row real (``cu_seqlens = cu_seqlens_padded``): what a
         padding row sees under the policy ``padding_rows="attend"`` (section 5.2). Capacity rows
