@@ -165,24 +165,59 @@ def _same_shape(t: torch.Tensor, name: str, shape) -> None:
 # Section 6: sparse attention with a sink
 # ---------------------------------------------------------------------------------------------
 
-def _gather_valid(table: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``table[ids]`` as ``[n, K, D]`` where ``valid``, exact zeros elsewhere: invalid slots
-    gather an appended zero row (the oracle's convention), so an unselected row of ``table``
-    (even a NaN row, e.g. row 0 that ``-1`` slots would clamp to) never reaches a bound."""
+class _Workspace:
+    """Reusable float64 buffers of one bound's chunk loop (no state outlives the call).
+
+    ``take(name, *shape)`` returns a contiguous ``shape`` view at the start of the buffer
+    ``name``, allocated once on the compute device (at least ``capacity`` elements, given at the
+    first ``take``) and grown only when a chunk needs more. The chunk loops' large temporaries
+    (gathered keys ``[n, K, D]`` and their products) are thereby allocated once per call instead
+    of once per chunk: the values, and so the bits, are those of fresh tensors."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, *shape: int, capacity: int = 0) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, capacity), dtype=F64)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+
+def _padded(table: torch.Tensor) -> torch.Tensor:
+    """``table`` with an appended zero row, the row that :func:`_gather_valid` reads for invalid
+    slots (built once per call, outside the chunk loops)."""
+    return torch.cat([table, table.new_zeros((1,) + tuple(table.shape[1:]))])
+
+
+def _gather_valid(padded: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``table[ids]`` as ``[n, K, D]`` where ``valid``, exact zeros elsewhere (``padded`` is
+    :func:`_padded` ``(table)``): invalid slots gather the appended zero row (the oracle's
+    convention), so an unselected row of ``table`` (even a NaN row, e.g. row 0 that ``-1`` slots
+    would clamp to) never reaches a bound. ``out``: a contiguous ``[n, K, D]`` buffer to fill."""
     n, K = ids.shape
-    z = torch.cat([table, table.new_zeros((1,) + tuple(table.shape[1:]))])
-    rows = torch.where(valid, ids, torch.full_like(ids, table.shape[0]))
-    return z.index_select(0, rows.reshape(-1)).view(n, K, table.shape[1])
+    D = padded.shape[1]
+    rows = torch.where(valid, ids, torch.full_like(ids, padded.shape[0] - 1)).reshape(-1)
+    if out is None:
+        return padded.index_select(0, rows).view(n, K, D)
+    torch.index_select(padded, 0, rows, out=out.view(n * K, D))
+    return out
 
 
-def _gathered(q, kv, ids, valid, r0, r1, scale):
-    """Per chunk: gathered keys ``kg`` and their magnitudes ``|kg|``, masked logits, masked
-    magnitudes ``a = |scale| |q|.|k|`` and ``|q|`` of the chunk's rows."""
-    kg = _gather_valid(kv, ids[r0:r1], valid[r0:r1])
-    kabs, qabs = kg.abs(), q[r0:r1].abs()
+def _gathered(q, padded, ids, valid, r0, r1, scale, ws: _Workspace):
+    """Per chunk: gathered keys ``kg`` and their magnitudes ``|kg|`` (in ``ws``'s buffers
+    ``kg`` and ``kabs``), masked logits, masked magnitudes ``a = |scale| |q|.|k|`` and ``|q|``
+    of the chunk's rows (``padded``: :func:`_padded` ``(kv)``)."""
+    n, (K, D) = r1 - r0, (ids.shape[1], padded.shape[1])
+    kg = _gather_valid(padded, ids[r0:r1], valid[r0:r1], out=ws.take("kg", n, K, D))
+    kabs = torch.abs(kg, out=ws.take("kabs", n, K, D))
+    qabs = q[r0:r1].abs()
     v = valid[r0:r1].unsqueeze(1)
-    s = (scale * torch.bmm(q[r0:r1], kg.transpose(1, 2))).masked_fill(~v, -INF)
-    a = (abs(scale) * torch.bmm(qabs, kabs.transpose(1, 2))).masked_fill(~v, 0.0)
+    s = torch.bmm(q[r0:r1], kg.transpose(1, 2)).mul_(scale).masked_fill_(~v, -INF)
+    a = torch.bmm(qabs, kabs.transpose(1, 2)).mul_(abs(scale)).masked_fill_(~v, 0.0)
     return kg, kabs, qabs, s, a
 
 
@@ -216,9 +251,10 @@ def attention_forward_bound(q, kv, ids, sink, out, lse, *, precision, scale=None
     bound_out = torch.zeros_like(out)
     bound_lse = torch.zeros_like(lse)
     step = rows_per_chunk(chunk_rows, 8 * K * (3 * D + 4 * H))
+    padded, ws = _padded(kv), _Workspace()
     for r0 in range(0, T, step):
         r1 = min(r0 + step, T)
-        kg, kabs, _, s, a = _gathered(q, kv, ids, valid, r0, r1, scale)
+        kg, kabs, _, s, a = _gathered(q, padded, ids, valid, r0, r1, scale, ws)
         l = lse[r0:r1]
         empty = ~(torch.isfinite(l) & valid[r0:r1].any(dim=1, keepdim=True))    # [n, H]
         l0 = torch.where(empty, torch.zeros_like(l), l)
@@ -297,11 +333,12 @@ def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *
     mag_sink = torch.zeros(H, dtype=F64)
     n_sink = torch.zeros(H, dtype=F64)
     step = rows_per_chunk(chunk_rows, 8 * K * (6 * D + 8 * H))
+    padded, ws = _padded(kv), _Workspace()
     for r0 in range(0, T, step):
         r1 = min(r0 + step, T)
         n = r1 - r0
         v = valid[r0:r1]
-        kg, kabs, qa, s, a = _gathered(q, kv, ids, valid, r0, r1, scale)
+        kg, kabs, qa, s, a = _gathered(q, padded, ids, valid, r0, r1, scale, ws)
         l = lse[r0:r1]
         empty = ~(torch.isfinite(l) & v.any(dim=1, keepdim=True))
         l0 = torch.where(empty, torch.zeros_like(l), l)
@@ -326,14 +363,18 @@ def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *
         e_ds = e_ds + p * e_delta.unsqueeze(-1)
         e_ds = e_ds.masked_fill(empty.unsqueeze(-1), 0.0)
         b_dq[r0:r1] = sc * torch.bmm(e_ds, kabs) + (nv * u.a).unsqueeze(-1) * sc * torch.bmm(ds, kabs)
-        err = sc * torch.bmm((e_ds + u.a * ds).transpose(1, 2), qa)            # [n, K, D]
-        err[:, :, :dv] += torch.bmm((rel_p.unsqueeze(-1) * p).transpose(1, 2), doa)
-        mag = sc * torch.bmm(ds.transpose(1, 2), qa)
-        mag[:, :, :dv] += torch.bmm(p.transpose(1, 2), doa)
-        flat = v.reshape(-1)
-        rows = ids[r0:r1].reshape(-1)[flat]
-        err_kv.index_add_(0, rows, err.reshape(n * K, D)[flat])
-        mag_kv.index_add_(0, rows, mag.reshape(n * K, D)[flat])
+        # [n, K, D] in the workspace: the gathered keys' buffer takes the P |dO| products
+        err = torch.bmm((e_ds + u.a * ds).transpose(1, 2), qa, out=ws.take("err", n, K, D))
+        err.mul_(sc)
+        pdo = ws.take("kg", n, K, dv)
+        err[:, :, :dv] += torch.bmm((rel_p.unsqueeze(-1) * p).transpose(1, 2), doa, out=pdo)
+        mag = torch.bmm(ds.transpose(1, 2), qa, out=ws.take("mag", n, K, D)).mul_(sc)
+        mag[:, :, :dv] += torch.bmm(p.transpose(1, 2), doa, out=pdo)
+        flat = v.reshape(-1).nonzero().squeeze(1)                              # valid slots
+        rows = ids[r0:r1].reshape(-1).index_select(0, flat)
+        sel = ws.take("kabs", rows.numel(), D)
+        err_kv.index_add_(0, rows, torch.index_select(err.view(n * K, D), 0, flat, out=sel))
+        mag_kv.index_add_(0, rows, torch.index_select(mag.view(n * K, D), 0, flat, out=sel))
         n_kv.index_add_(0, rows, torch.full((rows.numel(), 1), float(H), dtype=F64))
         # dsink: p_sink = sigmoid(sink - lse), 0 on rows without keys and where sink = -inf.
         z = sink.unsqueeze(0) - l0
@@ -342,7 +383,7 @@ def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *
         err_sink += (ps * (rel_ps * delta.abs() + u.a * dv * c + e_delta)).sum(dim=0)
         mag_sink += (ps * delta.abs()).sum(dim=0)
         n_sink += (~empty).to(F64).sum(dim=0)
-    b_dq += (u.a + u.o) * dq.abs() + u.eo
+    b_dq += dq.abs().mul_(u.a + u.o).add_(u.eo)
     b_dkv = err_kv + u.a * n_kv * mag_kv + u.o * dkv.abs() + u.eo
     b_dsink = err_sink + u.a * n_sink * mag_sink + u.s * dsink.abs() + u.es
     return b_dq, b_dkv, b_dsink
@@ -496,15 +537,16 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
     b_p = torch.zeros((T, Kc), dtype=F64)
     b_kl = torch.zeros(T, dtype=F64)
     step = rows_per_chunk(chunk_rows, 8 * Kc * (2 * D + 6 * H))
+    padded, ws = _padded(kc), _Workspace()
     for r0 in range(0, T, step):
         r1 = min(r0 + step, T)
         sel = valid[r0:r1]                                                    # selected slots
         mv = sel & has_mass[r0:r1].unsqueeze(1)                               # ... with mass
         hv = (mv.unsqueeze(1) & fin[r0:r1].unsqueeze(-1))                     # [n, H, Kc]
         nv = mv.sum(dim=1, keepdim=True).to(F64)
-        kg = _gather_valid(kc, ids[r0:r1], valid[r0:r1])
-        s = scale * torch.bmm(q[r0:r1], kg.transpose(1, 2))                  # [n, H, Kc]
-        a = abs(scale) * torch.bmm(q[r0:r1].abs(), kg.abs().transpose(1, 2))
+        kg = _gather_valid(padded, ids[r0:r1], valid[r0:r1], out=ws.take("kg", r1 - r0, Kc, D))
+        s = torch.bmm(q[r0:r1], kg.transpose(1, 2)).mul_(scale)              # [n, H, Kc]
+        a = torch.bmm(q[r0:r1].abs(), kg.abs_().transpose(1, 2)).mul_(abs(scale))
         nrm = _finite_or_zero(norm[r0:r1]).unsqueeze(-1)
         A = torch.exp(s - nrm).masked_fill(~hv, 0.0)
         rA = u.a * ((D + 3) * a + off[r0:r1].unsqueeze(-1) + 3 * nrm.abs() + 6) \
@@ -597,14 +639,15 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
     mag_k = torch.zeros_like(dk)
     n_k = torch.zeros((C, 1), dtype=F64)
     step = rows_per_chunk(chunk_rows, 8 * Kc * (4 * DI + 8 * HI))
+    padded, ws = _padded(k), _Workspace()
     for r0 in range(0, T, step):
         r1 = min(r0 + step, T)
         n = r1 - r0
         v = valid[r0:r1]
         nv = v.sum(dim=1, keepdim=True).to(F64)                               # [n, 1]
-        kg = _gather_valid(k, ids[r0:r1], v)
+        kg = _gather_valid(padded, ids[r0:r1], v, out=ws.take("kg", n, Kc, DI))
         qc, wc = q[r0:r1], w[r0:r1]
-        qa, kabs = qc.abs(), kg.abs()
+        qa, kabs = qc.abs(), torch.abs(kg, out=ws.take("kabs", n, Kc, DI))
         z = torch.bmm(qc, kg.transpose(1, 2))                                # [n, H_I, Kc]
         zeta = torch.bmm(qa, kabs.transpose(1, 2))
         relu = torch.relu(z)
@@ -649,14 +692,15 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
         b_dq[r0:r1] = sc * torch.bmm(e_ds, kabs) + (nv * u.a).unsqueeze(-1) * sc * torch.bmm(ds, kabs)
         b_dw[r0:r1] = sc * (e_g * relu + g * dz + (u.a + u.o) * g * relu).sum(dim=-1) \
             + nv * u.a * sc * (g * relu).sum(dim=-1)
-        err = sc * torch.bmm(e_ds.transpose(1, 2), qa)                       # [n, Kc, D_I]
-        mag = sc * torch.bmm(ds.transpose(1, 2), qa)
-        flat = v.reshape(-1)
-        rows = ids[r0:r1].reshape(-1)[flat]
-        err_k.index_add_(0, rows, err.reshape(n * Kc, DI)[flat])
-        mag_k.index_add_(0, rows, mag.reshape(n * Kc, DI)[flat])
+        err = torch.bmm(e_ds.transpose(1, 2), qa, out=ws.take("err", n, Kc, DI)).mul_(sc)
+        mag = torch.bmm(ds.transpose(1, 2), qa, out=ws.take("mag", n, Kc, DI)).mul_(sc)
+        flat = v.reshape(-1).nonzero().squeeze(1)                              # valid slots
+        rows = ids[r0:r1].reshape(-1).index_select(0, flat)
+        sel = ws.take("kg", rows.numel(), DI)                # the gathered keys are consumed
+        err_k.index_add_(0, rows, torch.index_select(err.view(n * Kc, DI), 0, flat, out=sel))
+        mag_k.index_add_(0, rows, torch.index_select(mag.view(n * Kc, DI), 0, flat, out=sel))
         n_k.index_add_(0, rows, torch.full((rows.numel(), 1), float(HI), dtype=F64))
-    b_dq += (u.a + u.o) * dq.abs() + u.eo
+    b_dq += dq.abs().mul_(u.a + u.o).add_(u.eo)
     b_dw += (u.a + u.o) * dw_.abs() + u.eo
     b_dk = err_k + u.a * n_k * mag_k + (u.a + u.o) * dk.abs() + u.eo
     return b_dq, b_dw, b_dk
