@@ -55,6 +55,7 @@ __all__ = [
     "ORACLE_PRECISION",
     "attention_forward_bound",
     "attention_backward_bound",
+    "attention_bounds",
     "indexer_scores_bound",
     "IndexerLossBound",
     "indexer_loss_bound",
@@ -221,6 +222,62 @@ def _gathered(q, padded, ids, valid, r0, r1, scale, ws: _Workspace):
     return kg, kabs, qabs, s, a
 
 
+class _AttentionChunk(NamedTuple):
+    """What the forward and backward bounds of section 6 share on the rows ``r0:r1``."""
+
+    r0: int
+    r1: int
+    v: torch.Tensor         # valid slots [n, K]
+    kg: torch.Tensor        # gathered keys [n, K, D] (workspace buffer "kg")
+    kabs: torch.Tensor      # |kg| (workspace buffer "kabs")
+    qa: torch.Tensor        # |q| [n, H, D]
+    s: torch.Tensor         # masked logits [n, H, K]
+    a: torch.Tensor         # masked magnitudes |scale| |q|.|k| [n, H, K]
+    empty: torch.Tensor     # rows without a key or a finite lse [n, H]
+    l0: torch.Tensor        # lse, 0 on empty rows [n, H]
+    full: torch.Tensor      # logaddexp(lse, sink) [n, H]
+    p: torch.Tensor         # P = exp(s - full), 0 on empty rows [n, H, K]
+    m_abs: torch.Tensor     # M = max_j a [n, H]
+    nv: torch.Tensor        # valid slots per row, float64 [n, 1]
+
+
+def _attention_chunk(q, padded, ids, valid, sink, lse, r0, r1, scale, ws) -> _AttentionChunk:
+    """The shared section 6 quantities of rows ``r0:r1`` (``lse`` the consumed statistic)."""
+    K = ids.shape[1]
+    v = valid[r0:r1]
+    kg, kabs, qa, s, a = _gathered(q, padded, ids, valid, r0, r1, scale, ws)
+    l = lse[r0:r1]
+    empty = ~(torch.isfinite(l) & v.any(dim=1, keepdim=True))                # [n, H]
+    l0 = torch.where(empty, torch.zeros_like(l), l)
+    full = torch.logaddexp(l0, sink.unsqueeze(0))                              # [n, H]
+    p = torch.exp(s - full.unsqueeze(-1)).masked_fill(empty.unsqueeze(-1), 0.0)
+    m_abs = a.amax(dim=-1) if K else torch.zeros_like(l)                       # M  [n, H]
+    nv = v.sum(dim=1, keepdim=True).to(F64)                                    # n  [n, 1]
+    return _AttentionChunk(r0, r1, v, kg, kabs, qa, s, a, empty, l0, full, p, m_abs, nv)
+
+
+def _forward_rows(c: _AttentionChunk, u: _Units, sink, out, D, dv, stored, bound_out, bound_lse):
+    """Section 12 forward bound of the chunk's rows, written into ``bound_out``/``bound_lse``
+    (formulas: :func:`attention_forward_bound`)."""
+    K = c.s.shape[-1]
+    empty, l0, p, m_abs, nv = c.empty, c.l0, c.p, c.m_abs, c.nv
+    m_log = _finite_or_zero(c.s.amax(dim=-1) if K else torch.zeros_like(l0))  # m  [n, H]
+    p_sink = torch.sigmoid(sink.unsqueeze(0) - l0)
+    sink_arg = torch.where(torch.isfinite(sink).unsqueeze(0) & ~empty,
+                           p_sink * (sink.unsqueeze(0) - m_log).abs(), torch.zeros_like(l0))
+    rel_p = u.a * (2 * (D + 4) * m_abs + nv + 8 + sink_arg) + u.o
+    vabs = c.kabs[:, :, :dv]
+    pv = torch.bmm(p, vabs)                                                     # P @ |v|
+    mask_v = torch.bmm(c.v.to(F64).unsqueeze(1), vabs)                          # 1 @ |v|  [n,1,Dv]
+    b = (rel_p + 2 * nv * u.a).unsqueeze(-1) * pv + (u.ea + u.eo) * mask_v
+    if stored:
+        b = b + u.o * out[c.r0:c.r1].abs() + u.eo
+    bound_out[c.r0:c.r1] = b.masked_fill(empty.unsqueeze(-1), 0.0)
+    logn = torch.log(nv.clamp_min(1.0))
+    bl = u.a * ((D + 4) * m_abs + nv + 2 * logn + 5) + (2 * u.a + u.s) * l0.abs()
+    bound_lse[c.r0:c.r1] = bl.masked_fill(empty, 0.0)
+
+
 def attention_forward_bound(q, kv, ids, sink, out, lse, *, precision, scale=None, v_dim=None,
                             lengths=None, chunk_rows=None, stored=True):
     """Section 12 bound for the section 6 forward: ``(bound_out [T,H,Dv], bound_lse [T,H])``.
@@ -253,31 +310,85 @@ def attention_forward_bound(q, kv, ids, sink, out, lse, *, precision, scale=None
     step = rows_per_chunk(chunk_rows, 8 * K * (3 * D + 4 * H))
     padded, ws = _padded(kv), _Workspace()
     for r0 in range(0, T, step):
-        r1 = min(r0 + step, T)
-        kg, kabs, _, s, a = _gathered(q, padded, ids, valid, r0, r1, scale, ws)
-        l = lse[r0:r1]
-        empty = ~(torch.isfinite(l) & valid[r0:r1].any(dim=1, keepdim=True))    # [n, H]
-        l0 = torch.where(empty, torch.zeros_like(l), l)
-        full = torch.logaddexp(l0, sink.unsqueeze(0))                          # [n, H]
-        p = torch.exp(s - full.unsqueeze(-1)).masked_fill(empty.unsqueeze(-1), 0.0)
-        m_abs = a.amax(dim=-1) if K else torch.zeros_like(l)                    # M  [n, H]
-        m_log = _finite_or_zero(s.amax(dim=-1) if K else torch.zeros_like(l))  # m  [n, H]
-        nv = valid[r0:r1].sum(dim=1, keepdim=True).to(F64)                     # n  [n, 1]
-        p_sink = torch.sigmoid(sink.unsqueeze(0) - l0)
-        sink_arg = torch.where(torch.isfinite(sink).unsqueeze(0) & ~empty,
-                               p_sink * (sink.unsqueeze(0) - m_log).abs(), torch.zeros_like(l))
-        rel_p = u.a * (2 * (D + 4) * m_abs + nv + 8 + sink_arg) + u.o
-        vabs = kabs[:, :, :dv]
-        pv = torch.bmm(p, vabs)                                                 # P @ |v|
-        mask_v = torch.bmm(valid[r0:r1].to(F64).unsqueeze(1), vabs)             # 1 @ |v|  [n,1,Dv]
-        b = (rel_p + 2 * nv * u.a).unsqueeze(-1) * pv + (u.ea + u.eo) * mask_v
-        if stored:
-            b = b + u.o * out[r0:r1].abs() + u.eo
-        bound_out[r0:r1] = b.masked_fill(empty.unsqueeze(-1), 0.0)
-        logn = torch.log(nv.clamp_min(1.0))
-        bl = u.a * ((D + 4) * m_abs + nv + 2 * logn + 5) + (2 * u.a + u.s) * l0.abs()
-        bound_lse[r0:r1] = bl.masked_fill(empty, 0.0)
+        c = _attention_chunk(q, padded, ids, valid, sink, lse, r0, min(r0 + step, T), scale, ws)
+        _forward_rows(c, u, sink, out, D, dv, stored, bound_out, bound_lse)
     return bound_out, bound_lse
+
+
+class _BackwardSums(NamedTuple):
+    """The section 6 backward bound's accumulators over the row chunks."""
+
+    b_dq: torch.Tensor       # [T, H, D], written per chunk
+    err_kv: torch.Tensor     # sum of propagated errors per kv row [S, D]
+    mag_kv: torch.Tensor     # sum of |terms| per kv row [S, D]
+    n_kv: torch.Tensor       # number of contributions per kv row [S, 1]
+    err_sink: torch.Tensor   # [H]
+    mag_sink: torch.Tensor   # [H]
+    n_sink: torch.Tensor     # [H]
+
+    @classmethod
+    def zeros(cls, dq, dkv) -> "_BackwardSums":
+        S, H = dkv.shape[0], dq.shape[1]
+        return cls(torch.zeros_like(dq), torch.zeros_like(dkv), torch.zeros_like(dkv),
+                   torch.zeros((S, 1), dtype=F64), torch.zeros(H, dtype=F64),
+                   torch.zeros(H, dtype=F64), torch.zeros(H, dtype=F64))
+
+    def bounds(self, u: _Units, dq, dkv, dsink):
+        """``(bound_dq, bound_dkv, bound_dsink)`` once every chunk is summed."""
+        b_dq = self.b_dq
+        b_dq += dq.abs().mul_(u.a + u.o).add_(u.eo)
+        b_dkv = self.err_kv + u.a * self.n_kv * self.mag_kv + u.o * dkv.abs() + u.eo
+        b_dsink = self.err_sink + u.a * self.n_sink * self.mag_sink + u.s * dsink.abs() + u.es
+        return b_dq, b_dkv, b_dsink
+
+
+def _backward_rows(ch: _AttentionChunk, u: _Units, ids, sink, sc, dv, out, dout, out_error,
+                   acc: _BackwardSums, ws: _Workspace):
+    """Section 12 backward bound of the chunk's rows (formulas:
+    :func:`attention_backward_bound`): ``bound_dq`` rows into ``acc.b_dq``, the ``dkv`` and
+    ``dsink`` terms added to ``acc``. Overwrites the workspace buffers ``kg`` and ``kabs``."""
+    r0, r1 = ch.r0, ch.r1
+    n, K, D = ch.kg.shape
+    H = ch.s.shape[1]
+    v, kg, kabs, qa, p, empty, l0 = ch.v, ch.kg, ch.kabs, ch.qa, ch.p, ch.empty, ch.l0
+    nv = ch.nv
+    rel_p = u.a * ((D + 3) * ch.m_abs + 3 * _finite_or_zero(ch.full).abs() + 6) + u.o
+    rel_p = rel_p.masked_fill(empty, 0.0)
+    do = dout[r0:r1]
+    doa = do.abs()
+    vg = kg[:, :, :dv]
+    delta = (do * out[r0:r1]).sum(dim=-1)                                       # [n, H]
+    c = (doa * out[r0:r1].abs()).sum(dim=-1)                                    # [n, H]
+    dp = torch.bmm(do, vg.transpose(1, 2))
+    bmag = torch.bmm(doa, kabs[:, :, :dv].transpose(1, 2))                      # b_j [n,H,K]
+    ds = (p * (dp - delta.unsqueeze(-1))).abs()                                 # |dS|
+    e_ds = (rel_p + 2 * u.a + u.o).unsqueeze(-1) * ds \
+        + u.a * dv * p * (bmag + c.unsqueeze(-1)) + u.eo * v.unsqueeze(1)
+    e_delta = torch.zeros_like(delta) if out_error is None else \
+        (doa * out_error[r0:r1]).sum(dim=-1).masked_fill(empty, 0.0)             # [n, H]
+    e_ds = e_ds + p * e_delta.unsqueeze(-1)
+    e_ds = e_ds.masked_fill(empty.unsqueeze(-1), 0.0)
+    acc.b_dq[r0:r1] = sc * torch.bmm(e_ds, kabs) + (nv * u.a).unsqueeze(-1) * sc * torch.bmm(ds, kabs)
+    # [n, K, D] in the workspace: the gathered keys' buffer takes the P |dO| products
+    err = torch.bmm((e_ds + u.a * ds).transpose(1, 2), qa, out=ws.take("err", n, K, D))
+    err.mul_(sc)
+    pdo = ws.take("kg", n, K, dv)
+    err[:, :, :dv] += torch.bmm((rel_p.unsqueeze(-1) * p).transpose(1, 2), doa, out=pdo)
+    mag = torch.bmm(ds.transpose(1, 2), qa, out=ws.take("mag", n, K, D)).mul_(sc)
+    mag[:, :, :dv] += torch.bmm(p.transpose(1, 2), doa, out=pdo)
+    flat = v.reshape(-1).nonzero().squeeze(1)                                  # valid slots
+    rows = ids[r0:r1].reshape(-1).index_select(0, flat)
+    sel = ws.take("kabs", rows.numel(), D)
+    acc.err_kv.index_add_(0, rows, torch.index_select(err.view(n * K, D), 0, flat, out=sel))
+    acc.mag_kv.index_add_(0, rows, torch.index_select(mag.view(n * K, D), 0, flat, out=sel))
+    acc.n_kv.index_add_(0, rows, torch.full((rows.numel(), 1), float(H), dtype=F64))
+    # dsink: p_sink = sigmoid(sink - lse), 0 on rows without keys and where sink = -inf.
+    z = sink.unsqueeze(0) - l0
+    ps = torch.sigmoid(z).masked_fill(empty, 0.0)
+    rel_ps = u.a * (torch.where(torch.isfinite(z), (1 - ps) * z.abs(), torch.zeros_like(z)) + 5)
+    acc.err_sink.add_((ps * (rel_ps * delta.abs() + u.a * dv * c + e_delta)).sum(dim=0))
+    acc.mag_sink.add_((ps * delta.abs()).sum(dim=0))
+    acc.n_sink.add_((~empty).to(F64).sum(dim=0))
 
 
 def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *, precision,
@@ -307,9 +418,26 @@ def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *
     ``bound_dsink``.
     """
     u = _units(precision)
-    q, kv, ids, sink, scale, dv, lengths = _attention_inputs(q, kv, ids, sink, scale, v_dim, lengths)
+    q, kv, ids, sink, scale, dv, lengths, out, lse, dout, dq, dkv, dsink, out_error = \
+        _backward_inputs(q, kv, ids, sink, scale, v_dim, lengths, out, lse, dout, dq, dkv, dsink,
+                         out_error)
     T, H, D = q.shape
     S, K = kv.shape[0], ids.shape[1]
+    valid = valid_slots(ids, S, lengths)
+    acc = _BackwardSums.zeros(dq, dkv)
+    step = rows_per_chunk(chunk_rows, 8 * K * (6 * D + 8 * H))
+    padded, ws = _padded(kv), _Workspace()
+    for r0 in range(0, T, step):
+        c = _attention_chunk(q, padded, ids, valid, sink, lse, r0, min(r0 + step, T), scale, ws)
+        _backward_rows(c, u, ids, sink, abs(scale), dv, out, dout, out_error, acc, ws)
+    return acc.bounds(u, dq, dkv, dsink)
+
+
+def _backward_inputs(q, kv, ids, sink, scale, v_dim, lengths, out, lse, dout, dq, dkv, dsink,
+                     out_error):
+    q, kv, ids, sink, scale, dv, lengths = _attention_inputs(q, kv, ids, sink, scale, v_dim, lengths)
+    T, H, D = q.shape
+    S = kv.shape[0]
     out = as_float64(out, "out", ndim=3)
     lse = as_float64(lse, "lse", ndim=2)
     dout = as_float64(dout, "dout", ndim=3)
@@ -323,70 +451,34 @@ def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *
                            ("dout", dout, (T, H, dv)), ("dq", dq, (T, H, D)),
                            ("dkv", dkv, (S, D)), ("dsink", dsink, (H,))):
         _same_shape(t, name, shape)
-    sc = abs(scale)
+    return q, kv, ids, sink, scale, dv, lengths, out, lse, dout, dq, dkv, dsink, out_error
+
+
+def attention_bounds(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *, precision, scale=None,
+                     v_dim=None, lengths=None, chunk_rows=None):
+    """Section 12 bounds of the section 6 forward and backward in one pass, for a backward that
+    consumes the forward's own ``out`` and ``lse`` (the oracle pipeline,
+    ``fixtures.oracle_bounds``): ``(bound_out, bound_lse, bound_dq, bound_dkv, bound_dsink)``,
+    those of :func:`attention_forward_bound` (stored ``out``) and
+    :func:`attention_backward_bound` (no ``out_error``) on the same arguments. Each chunk's
+    gathered keys, ``|k|``, logits, magnitudes and ``P`` serve both; the rows are chunked as
+    the backward's, and every forward quantity is a function of its own row (the same bits as
+    the forward's own chunking)."""
+    u = _units(precision)
+    q, kv, ids, sink, scale, dv, lengths, out, lse, dout, dq, dkv, dsink, _ = _backward_inputs(
+        q, kv, ids, sink, scale, v_dim, lengths, out, lse, dout, dq, dkv, dsink, None)
+    T, H, D = q.shape
+    S, K = kv.shape[0], ids.shape[1]
     valid = valid_slots(ids, S, lengths)
-    b_dq = torch.zeros_like(dq)
-    err_kv = torch.zeros_like(dkv)                 # sum of propagated errors per kv row
-    mag_kv = torch.zeros_like(dkv)                 # sum of |terms| per kv row
-    n_kv = torch.zeros((S, 1), dtype=F64)          # number of contributions per kv row
-    err_sink = torch.zeros(H, dtype=F64)
-    mag_sink = torch.zeros(H, dtype=F64)
-    n_sink = torch.zeros(H, dtype=F64)
+    bound_out, bound_lse = torch.zeros_like(out), torch.zeros_like(lse)
+    acc = _BackwardSums.zeros(dq, dkv)
     step = rows_per_chunk(chunk_rows, 8 * K * (6 * D + 8 * H))
     padded, ws = _padded(kv), _Workspace()
     for r0 in range(0, T, step):
-        r1 = min(r0 + step, T)
-        n = r1 - r0
-        v = valid[r0:r1]
-        kg, kabs, qa, s, a = _gathered(q, padded, ids, valid, r0, r1, scale, ws)
-        l = lse[r0:r1]
-        empty = ~(torch.isfinite(l) & v.any(dim=1, keepdim=True))
-        l0 = torch.where(empty, torch.zeros_like(l), l)
-        full = torch.logaddexp(l0, sink.unsqueeze(0))
-        p = torch.exp(s - full.unsqueeze(-1)).masked_fill(empty.unsqueeze(-1), 0.0)
-        m_abs = a.amax(dim=-1) if K else torch.zeros_like(l)
-        nv = v.sum(dim=1, keepdim=True).to(F64)
-        rel_p = u.a * ((D + 3) * m_abs + 3 * _finite_or_zero(full).abs() + 6) + u.o
-        rel_p = rel_p.masked_fill(empty, 0.0)
-        do = dout[r0:r1]
-        doa = do.abs()
-        vg = kg[:, :, :dv]
-        delta = (do * out[r0:r1]).sum(dim=-1)                                   # [n, H]
-        c = (doa * out[r0:r1].abs()).sum(dim=-1)                                # [n, H]
-        dp = torch.bmm(do, vg.transpose(1, 2))
-        bmag = torch.bmm(doa, kabs[:, :, :dv].transpose(1, 2))                  # b_j [n,H,K]
-        ds = (p * (dp - delta.unsqueeze(-1))).abs()                             # |dS|
-        e_ds = (rel_p + 2 * u.a + u.o).unsqueeze(-1) * ds \
-            + u.a * dv * p * (bmag + c.unsqueeze(-1)) + u.eo * v.unsqueeze(1)
-        e_delta = torch.zeros_like(delta) if out_error is None else \
-            (doa * out_error[r0:r1]).sum(dim=-1).masked_fill(empty, 0.0)         # [n, H]
-        e_ds = e_ds + p * e_delta.unsqueeze(-1)
-        e_ds = e_ds.masked_fill(empty.unsqueeze(-1), 0.0)
-        b_dq[r0:r1] = sc * torch.bmm(e_ds, kabs) + (nv * u.a).unsqueeze(-1) * sc * torch.bmm(ds, kabs)
-        # [n, K, D] in the workspace: the gathered keys' buffer takes the P |dO| products
-        err = torch.bmm((e_ds + u.a * ds).transpose(1, 2), qa, out=ws.take("err", n, K, D))
-        err.mul_(sc)
-        pdo = ws.take("kg", n, K, dv)
-        err[:, :, :dv] += torch.bmm((rel_p.unsqueeze(-1) * p).transpose(1, 2), doa, out=pdo)
-        mag = torch.bmm(ds.transpose(1, 2), qa, out=ws.take("mag", n, K, D)).mul_(sc)
-        mag[:, :, :dv] += torch.bmm(p.transpose(1, 2), doa, out=pdo)
-        flat = v.reshape(-1).nonzero().squeeze(1)                              # valid slots
-        rows = ids[r0:r1].reshape(-1).index_select(0, flat)
-        sel = ws.take("kabs", rows.numel(), D)
-        err_kv.index_add_(0, rows, torch.index_select(err.view(n * K, D), 0, flat, out=sel))
-        mag_kv.index_add_(0, rows, torch.index_select(mag.view(n * K, D), 0, flat, out=sel))
-        n_kv.index_add_(0, rows, torch.full((rows.numel(), 1), float(H), dtype=F64))
-        # dsink: p_sink = sigmoid(sink - lse), 0 on rows without keys and where sink = -inf.
-        z = sink.unsqueeze(0) - l0
-        ps = torch.sigmoid(z).masked_fill(empty, 0.0)
-        rel_ps = u.a * (torch.where(torch.isfinite(z), (1 - ps) * z.abs(), torch.zeros_like(z)) + 5)
-        err_sink += (ps * (rel_ps * delta.abs() + u.a * dv * c + e_delta)).sum(dim=0)
-        mag_sink += (ps * delta.abs()).sum(dim=0)
-        n_sink += (~empty).to(F64).sum(dim=0)
-    b_dq += dq.abs().mul_(u.a + u.o).add_(u.eo)
-    b_dkv = err_kv + u.a * n_kv * mag_kv + u.o * dkv.abs() + u.eo
-    b_dsink = err_sink + u.a * n_sink * mag_sink + u.s * dsink.abs() + u.es
-    return b_dq, b_dkv, b_dsink
+        c = _attention_chunk(q, padded, ids, valid, sink, lse, r0, min(r0 + step, T), scale, ws)
+        _forward_rows(c, u, sink, out, D, dv, True, bound_out, bound_lse)   # reads kabs
+        _backward_rows(c, u, ids, sink, abs(scale), dv, out, dout, None, acc, ws)
+    return (bound_out, bound_lse) + acc.bounds(u, dq, dkv, dsink)
 
 
 # ---------------------------------------------------------------------------------------------
