@@ -250,7 +250,7 @@ def _attention_chunk(q, padded, ids, valid, sink, lse, r0, r1, scale, ws) -> _At
     empty = ~(torch.isfinite(l) & v.any(dim=1, keepdim=True))                # [n, H]
     l0 = torch.where(empty, torch.zeros_like(l), l)
     full = torch.logaddexp(l0, sink.unsqueeze(0))                              # [n, H]
-    p = torch.exp(s - full.unsqueeze(-1)).masked_fill(empty.unsqueeze(-1), 0.0)
+    p = torch.sub(s, full.unsqueeze(-1)).exp_().masked_fill_(empty.unsqueeze(-1), 0.0)
     m_abs = a.amax(dim=-1) if K else torch.zeros_like(l)                       # M  [n, H]
     nv = v.sum(dim=1, keepdim=True).to(F64)                                    # n  [n, 1]
     return _AttentionChunk(r0, r1, v, kg, kabs, qa, s, a, empty, l0, full, p, m_abs, nv)
@@ -359,21 +359,25 @@ def _backward_rows(ch: _AttentionChunk, u: _Units, ids, sink, sc, dv, out, dout,
     vg = kg[:, :, :dv]
     delta = (do * out[r0:r1]).sum(dim=-1)                                       # [n, H]
     c = (doa * out[r0:r1].abs()).sum(dim=-1)                                    # [n, H]
-    dp = torch.bmm(do, vg.transpose(1, 2))
-    bmag = torch.bmm(doa, kabs[:, :, :dv].transpose(1, 2))                      # b_j [n,H,K]
-    ds = (p * (dp - delta.unsqueeze(-1))).abs()                                 # |dS|
-    e_ds = (rel_p + 2 * u.a + u.o).unsqueeze(-1) * ds \
-        + u.a * dv * p * (bmag + c.unsqueeze(-1)) + u.eo * v.unsqueeze(1)
+    # [n, H, K] temporaries updated in place where the formula allows (each operation and its
+    # order as written in the docstring; x * y and y * x are the same float)
+    ds = torch.bmm(do, vg.transpose(1, 2)).sub_(delta.unsqueeze(-1)).mul_(p).abs_()  # |dS|
+    pd = p * (u.a * dv)                                                         # u_a Dv P
+    t = torch.bmm(doa, kabs[:, :, :dv].transpose(1, 2))                         # b_j [n,H,K]
+    t.add_(c.unsqueeze(-1)).mul_(pd)                                            # u_a Dv P (b_j + c)
+    e_ds = ds * (rel_p + 2 * u.a + u.o).unsqueeze(-1)
+    e_ds.add_(t).add_(u.eo * v.unsqueeze(1))
     e_delta = torch.zeros_like(delta) if out_error is None else \
         (doa * out_error[r0:r1]).sum(dim=-1).masked_fill(empty, 0.0)             # [n, H]
-    e_ds = e_ds + p * e_delta.unsqueeze(-1)
-    e_ds = e_ds.masked_fill(empty.unsqueeze(-1), 0.0)
+    e_ds.add_(torch.mul(p, e_delta.unsqueeze(-1), out=pd)).masked_fill_(empty.unsqueeze(-1), 0.0)
     acc.b_dq[r0:r1] = sc * torch.bmm(e_ds, kabs) + (nv * u.a).unsqueeze(-1) * sc * torch.bmm(ds, kabs)
     # [n, K, D] in the workspace: the gathered keys' buffer takes the P |dO| products
-    err = torch.bmm((e_ds + u.a * ds).transpose(1, 2), qa, out=ws.take("err", n, K, D))
+    e_ds = torch.mul(ds, u.a, out=pd).add_(e_ds)                                # E_dS + u_a |dS|
+    err = torch.bmm(e_ds.transpose(1, 2), qa, out=ws.take("err", n, K, D))
     err.mul_(sc)
     pdo = ws.take("kg", n, K, dv)
-    err[:, :, :dv] += torch.bmm((rel_p.unsqueeze(-1) * p).transpose(1, 2), doa, out=pdo)
+    err[:, :, :dv] += torch.bmm(torch.mul(p, rel_p.unsqueeze(-1), out=t).transpose(1, 2), doa,
+                                out=pdo)
     mag = torch.bmm(ds.transpose(1, 2), qa, out=ws.take("mag", n, K, D)).mul_(sc)
     mag[:, :, :dv] += torch.bmm(p.transpose(1, 2), doa, out=pdo)
     flat = v.reshape(-1).nonzero().squeeze(1)                                  # valid slots
