@@ -170,19 +170,20 @@ class _Workspace:
     """Reusable float64 buffers of one bound's chunk loop (no state outlives the call).
 
     ``take(name, *shape)`` returns a contiguous ``shape`` view at the start of the buffer
-    ``name``, allocated once on the compute device (at least ``capacity`` elements, given at the
-    first ``take``) and grown only when a chunk needs more. The chunk loops' large temporaries
+    ``name`` (64-byte aligned, like a fresh tensor), allocated on the compute device at the
+    first ``take`` and grown only when a chunk needs more. The chunk loops' large temporaries
     (gathered keys ``[n, K, D]`` and their products) are thereby allocated once per call instead
-    of once per chunk: the values, and so the bits, are those of fresh tensors."""
+    of once per chunk (each fresh allocation of that size is page-faulted anew on the CPU): the
+    values, and so the bits, are those of fresh tensors."""
 
     def __init__(self):
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def take(self, name: str, *shape: int, capacity: int = 0) -> torch.Tensor:
+    def take(self, name: str, *shape: int) -> torch.Tensor:
         numel = math.prod(shape)
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(max(numel, capacity), dtype=F64)
+            buf = torch.empty(numel, dtype=F64)
             self._buffers[name] = buf
         return buf[:numel].view(shape)
 
@@ -464,19 +465,28 @@ def attention_bounds(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *, precis
     consumes the forward's own ``out`` and ``lse`` (the oracle pipeline,
     ``fixtures.oracle_bounds``): ``(bound_out, bound_lse, bound_dq, bound_dkv, bound_dsink)``,
     those of :func:`attention_forward_bound` (stored ``out``) and
-    :func:`attention_backward_bound` (no ``out_error``) on the same arguments. Each chunk's
-    gathered keys, ``|k|``, logits, magnitudes and ``P`` serve both; the rows are chunked as
-    the backward's, and every forward quantity is a function of its own row (the same bits as
-    the forward's own chunking)."""
+    :func:`attention_backward_bound` (no ``out_error``) on the same arguments, bitwise. Each
+    chunk's gathered keys, ``|k|``, logits, magnitudes and ``P`` serve both, and the rows are
+    chunked as the backward's (its ``dsink`` sums follow its chunks). Every forward quantity is
+    a function of its own row, but CPU kernels may round a row by its position in the chunk
+    (vector body or tail of ``sigmoid``/``logaddexp``, MKL's per-item alignment in ``bmm``:
+    ``docs/FIXTURES.md``, ``docs/ORACLE_SELF_TESTS.md``); with several chunks, the one pass
+    therefore requires shapes whose rows fill whole vectors (``H`` a multiple of 16; ``K``,
+    ``D``, ``Dv`` of 8, as the DSv4 shapes) and otherwise evaluates the two functions."""
     u = _units(precision)
     q, kv, ids, sink, scale, dv, lengths, out, lse, dout, dq, dkv, dsink, _ = _backward_inputs(
         q, kv, ids, sink, scale, v_dim, lengths, out, lse, dout, dq, dkv, dsink, None)
     T, H, D = q.shape
     S, K = kv.shape[0], ids.shape[1]
+    step = rows_per_chunk(chunk_rows, 8 * K * (6 * D + 8 * H))
+    if T > step and (H % 16 or K % 8 or D % 8 or dv % 8):
+        kw = dict(precision=precision, scale=scale, v_dim=dv, lengths=lengths)
+        return attention_forward_bound(q, kv, ids, sink, out, lse, chunk_rows=chunk_rows, **kw) \
+            + attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink,
+                                       chunk_rows=chunk_rows, **kw)
     valid = valid_slots(ids, S, lengths)
     bound_out, bound_lse = torch.zeros_like(out), torch.zeros_like(lse)
     acc = _BackwardSums.zeros(dq, dkv)
-    step = rows_per_chunk(chunk_rows, 8 * K * (6 * D + 8 * H))
     padded, ws = _padded(kv), _Workspace()
     for r0 in range(0, T, step):
         c = _attention_chunk(q, padded, ids, valid, sink, lse, r0, min(r0 + step, T), scale, ws)
@@ -640,14 +650,17 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
         mv = sel & has_mass[r0:r1].unsqueeze(1)                               # ... with mass
         hv = (mv.unsqueeze(1) & fin[r0:r1].unsqueeze(-1))                     # [n, H, Kc]
         nv = mv.sum(dim=1, keepdim=True).to(F64)
-        kg = _gather_valid(padded, ids[r0:r1], valid[r0:r1], out=ws.take("kg", r1 - r0, Kc, D))
+        n = r1 - r0
+        kg = _gather_valid(padded, ids[r0:r1], valid[r0:r1], out=ws.take("kg", n, Kc, D))
         s = torch.bmm(q[r0:r1], kg.transpose(1, 2)).mul_(scale)              # [n, H, Kc]
-        a = torch.bmm(q[r0:r1].abs(), kg.abs_().transpose(1, 2)).mul_(abs(scale))
+        qa = torch.abs(q[r0:r1], out=ws.take("qa", n, H, D))
+        a = torch.bmm(qa, kg.abs_().transpose(1, 2)).mul_(abs(scale))
         nrm = _finite_or_zero(norm[r0:r1]).unsqueeze(-1)
-        A = torch.exp(s - nrm).masked_fill(~hv, 0.0)
-        rA = u.a * ((D + 3) * a + off[r0:r1].unsqueeze(-1) + 3 * nrm.abs() + 6) \
-            + e_full[r0:r1].unsqueeze(-1)
-        errA = torch.where(hv, rA * A + u.ea, torch.zeros_like(A))
+        # [n, H, Kc] temporaries in place, each operation and its order as written above
+        A = s.sub_(nrm).exp_().masked_fill_(~hv, 0.0)
+        rA = a.mul_(D + 3).add_(off[r0:r1].unsqueeze(-1)).add_(3 * nrm.abs()).add_(6) \
+            .mul_(u.a).add_(e_full[r0:r1].unsqueeze(-1))
+        errA = rA.mul_(A).add_(u.ea).masked_fill_(~hv, 0.0)
         num = A.sum(dim=1)                                                    # [n, Kc]
         err_num = errA.sum(dim=1) + u.a * H * num
         Z = num.sum(dim=1, keepdim=True)
@@ -780,14 +793,18 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
         e_g = torch.where(v, e_g, torch.zeros_like(e_g)).unsqueeze(1)       # [n, 1, Kc]
         g = torch.where(v, g, torch.zeros_like(g)).unsqueeze(1)
         wa3 = wc.abs().unsqueeze(-1)                                          # [n, H_I, 1]
-        dz = u.a * (DI + 1) * zeta
-        amb = (z.abs() <= dz).to(F64)
-        gate = ((z > 0).to(F64) + amb).clamp_max(1.0)
-        ds = g * wa3 * (z > 0).to(F64)                                       # |dS|
-        e_ds = wa3 * gate * e_g + (u.a + u.o) * ds + amb * g * wa3 + u.eo * v.unsqueeze(1)
+        # [n, H_I, Kc] temporaries in place (each operation and its order as in the docstring;
+        # x * y and y * x are the same float)
+        dz = zeta.mul_(u.a * (DI + 1))                                        # u_a (D_I+1) zeta
+        amb = torch.abs(z, out=ws.take("amb", n, HI, Kc)).le_(dz)           # ambiguous gate
+        pos = (z > 0).to(F64)
+        gate = torch.add(pos, amb).clamp_max_(1.0)
+        ds = torch.mul(g, wa3).mul_(pos)                                     # |dS|
+        e_ds = gate.mul_(wa3).mul_(e_g).add_(ds * (u.a + u.o)).add_(amb.mul_(g).mul_(wa3)) \
+            .add_(u.eo * v.unsqueeze(1))
         b_dq[r0:r1] = sc * torch.bmm(e_ds, kabs) + (nv * u.a).unsqueeze(-1) * sc * torch.bmm(ds, kabs)
-        b_dw[r0:r1] = sc * (e_g * relu + g * dz + (u.a + u.o) * g * relu).sum(dim=-1) \
-            + nv * u.a * sc * (g * relu).sum(dim=-1)
+        x = torch.mul(relu, e_g).add_(dz.mul_(g)).add_(torch.mul((u.a + u.o) * g, relu, out=dz))
+        b_dw[r0:r1] = sc * x.sum(dim=-1) + nv * u.a * sc * relu.mul_(g).sum(dim=-1)
         err = torch.bmm(e_ds.transpose(1, 2), qa, out=ws.take("err", n, Kc, DI)).mul_(sc)
         mag = torch.bmm(ds.transpose(1, 2), qa, out=ws.take("mag", n, Kc, DI)).mul_(sc)
         flat = v.reshape(-1).nonzero().squeeze(1)                              # valid slots

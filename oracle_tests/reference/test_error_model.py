@@ -249,15 +249,23 @@ def test_attention_backward_fp64_vs_autograd():
         assert ratio(g, e, b) <= 1
 
 
+@pytest.mark.parametrize("heads", [16, H])
 @pytest.mark.parametrize("chunks", [(None, None), (5, 7), (3, 2), (24, 5), (1, 3)])
-def test_attention_bounds_are_bitwise_the_forward_and_backward_bounds(chunks):
+def test_attention_bounds_are_bitwise_the_forward_and_backward_bounds(chunks, heads):
     """The one-pass bounds of the pipeline (forward and backward sharing each chunk) equal those
     of the two functions bitwise, whatever the forward's rows per chunk (the backward's sums
-    over rows, e.g. of ``dsink``, follow its own chunks, which the one pass keeps)."""
+    over rows, e.g. of ``dsink``, follow its own chunks, which the one pass keeps). With 16
+    heads the rows fill whole vectors and one pass serves both; with 4 and several chunks it
+    evaluates the two functions."""
     fwd_rows, bwd_rows = chunks
-    q, kv, ids, sink = _attention_case(seed=10)
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(T, heads, D, generator=g).to(BF16)
+    kv = torch.randn(S, D, generator=g).to(BF16)
+    ids = torch.randint(-3, S + 2, (T, K), generator=g)
+    ids[5] = -1
+    sink = torch.randn(heads, generator=g)
     out, lse = sparse_attention_forward(q, kv, ids, sink, v_dim=DV)
-    dout = torch.randn(T, H, DV, generator=torch.Generator().manual_seed(11)).to(BF16)
+    dout = torch.randn(T, heads, DV, generator=g).to(BF16)
     grads = sparse_attention_backward(q, kv, ids, sink, out, lse, dout, v_dim=DV)
     lengths = torch.arange(T) % (K + 3)
     fwd = attention_forward_bound(q, kv, ids, sink, out, lse, precision=KERNEL, v_dim=DV,
