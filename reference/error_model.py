@@ -55,6 +55,7 @@ __all__ = [
     "ORACLE_PRECISION",
     "attention_forward_bound",
     "attention_backward_bound",
+    "attention_bounds",
     "indexer_scores_bound",
     "IndexerLossBound",
     "indexer_loss_bound",
@@ -165,25 +166,117 @@ def _same_shape(t: torch.Tensor, name: str, shape) -> None:
 # Section 6: sparse attention with a sink
 # ---------------------------------------------------------------------------------------------
 
-def _gather_valid(table: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``table[ids]`` as ``[n, K, D]`` where ``valid``, exact zeros elsewhere: invalid slots
-    gather an appended zero row (the oracle's convention), so an unselected row of ``table``
-    (even a NaN row, e.g. row 0 that ``-1`` slots would clamp to) never reaches a bound."""
+class _Workspace:
+    """Reusable float64 buffers of one bound's chunk loop (no state outlives the call).
+
+    ``take(name, *shape)`` returns a contiguous ``shape`` view at the start of the buffer
+    ``name`` (64-byte aligned, like a fresh tensor), allocated on the compute device at the
+    first ``take`` and grown only when a chunk needs more. The chunk loops' large temporaries
+    (gathered keys ``[n, K, D]`` and their products) are thereby allocated once per call instead
+    of once per chunk (each fresh allocation of that size is page-faulted anew on the CPU): the
+    values, and so the bits, are those of fresh tensors."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, *shape: int) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=F64)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+
+def _padded(table: torch.Tensor) -> torch.Tensor:
+    """``table`` with an appended zero row, the row that :func:`_gather_valid` reads for invalid
+    slots (built once per call, outside the chunk loops)."""
+    return torch.cat([table, table.new_zeros((1,) + tuple(table.shape[1:]))])
+
+
+def _gather_valid(padded: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``table[ids]`` as ``[n, K, D]`` where ``valid``, exact zeros elsewhere (``padded`` is
+    :func:`_padded` ``(table)``): invalid slots gather the appended zero row (the oracle's
+    convention), so an unselected row of ``table`` (even a NaN row, e.g. row 0 that ``-1`` slots
+    would clamp to) never reaches a bound. ``out``: a contiguous ``[n, K, D]`` buffer to fill."""
     n, K = ids.shape
-    z = torch.cat([table, table.new_zeros((1,) + tuple(table.shape[1:]))])
-    rows = torch.where(valid, ids, torch.full_like(ids, table.shape[0]))
-    return z.index_select(0, rows.reshape(-1)).view(n, K, table.shape[1])
+    D = padded.shape[1]
+    rows = torch.where(valid, ids, torch.full_like(ids, padded.shape[0] - 1)).reshape(-1)
+    if out is None:
+        return padded.index_select(0, rows).view(n, K, D)
+    torch.index_select(padded, 0, rows, out=out.view(n * K, D))
+    return out
 
 
-def _gathered(q, kv, ids, valid, r0, r1, scale):
-    """Per chunk: gathered keys ``kg`` and their magnitudes ``|kg|``, masked logits, masked
-    magnitudes ``a = |scale| |q|.|k|`` and ``|q|`` of the chunk's rows."""
-    kg = _gather_valid(kv, ids[r0:r1], valid[r0:r1])
-    kabs, qabs = kg.abs(), q[r0:r1].abs()
+def _gathered(q, padded, ids, valid, r0, r1, scale, ws: _Workspace):
+    """Per chunk: gathered keys ``kg`` and their magnitudes ``|kg|`` (in ``ws``'s buffers
+    ``kg`` and ``kabs``), masked logits, masked magnitudes ``a = |scale| |q|.|k|`` and ``|q|``
+    of the chunk's rows (``padded``: :func:`_padded` ``(kv)``)."""
+    n, (K, D) = r1 - r0, (ids.shape[1], padded.shape[1])
+    kg = _gather_valid(padded, ids[r0:r1], valid[r0:r1], out=ws.take("kg", n, K, D))
+    kabs = torch.abs(kg, out=ws.take("kabs", n, K, D))
+    qabs = q[r0:r1].abs()
     v = valid[r0:r1].unsqueeze(1)
-    s = (scale * torch.bmm(q[r0:r1], kg.transpose(1, 2))).masked_fill(~v, -INF)
-    a = (abs(scale) * torch.bmm(qabs, kabs.transpose(1, 2))).masked_fill(~v, 0.0)
+    s = torch.bmm(q[r0:r1], kg.transpose(1, 2)).mul_(scale).masked_fill_(~v, -INF)
+    a = torch.bmm(qabs, kabs.transpose(1, 2)).mul_(abs(scale)).masked_fill_(~v, 0.0)
     return kg, kabs, qabs, s, a
+
+
+class _AttentionChunk(NamedTuple):
+    """What the forward and backward bounds of section 6 share on the rows ``r0:r1``."""
+
+    r0: int
+    r1: int
+    v: torch.Tensor         # valid slots [n, K]
+    kg: torch.Tensor        # gathered keys [n, K, D] (workspace buffer "kg")
+    kabs: torch.Tensor      # |kg| (workspace buffer "kabs")
+    qa: torch.Tensor        # |q| [n, H, D]
+    s: torch.Tensor         # masked logits [n, H, K]
+    a: torch.Tensor         # masked magnitudes |scale| |q|.|k| [n, H, K]
+    empty: torch.Tensor     # rows without a key or a finite lse [n, H]
+    l0: torch.Tensor        # lse, 0 on empty rows [n, H]
+    full: torch.Tensor      # logaddexp(lse, sink) [n, H]
+    p: torch.Tensor         # P = exp(s - full), 0 on empty rows [n, H, K]
+    m_abs: torch.Tensor     # M = max_j a [n, H]
+    nv: torch.Tensor        # valid slots per row, float64 [n, 1]
+
+
+def _attention_chunk(q, padded, ids, valid, sink, lse, r0, r1, scale, ws) -> _AttentionChunk:
+    """The shared section 6 quantities of rows ``r0:r1`` (``lse`` the consumed statistic)."""
+    K = ids.shape[1]
+    v = valid[r0:r1]
+    kg, kabs, qa, s, a = _gathered(q, padded, ids, valid, r0, r1, scale, ws)
+    l = lse[r0:r1]
+    empty = ~(torch.isfinite(l) & v.any(dim=1, keepdim=True))                # [n, H]
+    l0 = torch.where(empty, torch.zeros_like(l), l)
+    full = torch.logaddexp(l0, sink.unsqueeze(0))                              # [n, H]
+    p = torch.sub(s, full.unsqueeze(-1)).exp_().masked_fill_(empty.unsqueeze(-1), 0.0)
+    m_abs = a.amax(dim=-1) if K else torch.zeros_like(l)                       # M  [n, H]
+    nv = v.sum(dim=1, keepdim=True).to(F64)                                    # n  [n, 1]
+    return _AttentionChunk(r0, r1, v, kg, kabs, qa, s, a, empty, l0, full, p, m_abs, nv)
+
+
+def _forward_rows(c: _AttentionChunk, u: _Units, sink, out, D, dv, stored, bound_out, bound_lse):
+    """Section 12 forward bound of the chunk's rows, written into ``bound_out``/``bound_lse``
+    (formulas: :func:`attention_forward_bound`)."""
+    K = c.s.shape[-1]
+    empty, l0, p, m_abs, nv = c.empty, c.l0, c.p, c.m_abs, c.nv
+    m_log = _finite_or_zero(c.s.amax(dim=-1) if K else torch.zeros_like(l0))  # m  [n, H]
+    p_sink = torch.sigmoid(sink.unsqueeze(0) - l0)
+    sink_arg = torch.where(torch.isfinite(sink).unsqueeze(0) & ~empty,
+                           p_sink * (sink.unsqueeze(0) - m_log).abs(), torch.zeros_like(l0))
+    rel_p = u.a * (2 * (D + 4) * m_abs + nv + 8 + sink_arg) + u.o
+    vabs = c.kabs[:, :, :dv]
+    pv = torch.bmm(p, vabs)                                                     # P @ |v|
+    mask_v = torch.bmm(c.v.to(F64).unsqueeze(1), vabs)                          # 1 @ |v|  [n,1,Dv]
+    b = (rel_p + 2 * nv * u.a).unsqueeze(-1) * pv + (u.ea + u.eo) * mask_v
+    if stored:
+        b = b + u.o * out[c.r0:c.r1].abs() + u.eo
+    bound_out[c.r0:c.r1] = b.masked_fill(empty.unsqueeze(-1), 0.0)
+    logn = torch.log(nv.clamp_min(1.0))
+    bl = u.a * ((D + 4) * m_abs + nv + 2 * logn + 5) + (2 * u.a + u.s) * l0.abs()
+    bound_lse[c.r0:c.r1] = bl.masked_fill(empty, 0.0)
 
 
 def attention_forward_bound(q, kv, ids, sink, out, lse, *, precision, scale=None, v_dim=None,
@@ -216,32 +309,91 @@ def attention_forward_bound(q, kv, ids, sink, out, lse, *, precision, scale=None
     bound_out = torch.zeros_like(out)
     bound_lse = torch.zeros_like(lse)
     step = rows_per_chunk(chunk_rows, 8 * K * (3 * D + 4 * H))
+    padded, ws = _padded(kv), _Workspace()
     for r0 in range(0, T, step):
-        r1 = min(r0 + step, T)
-        kg, kabs, _, s, a = _gathered(q, kv, ids, valid, r0, r1, scale)
-        l = lse[r0:r1]
-        empty = ~(torch.isfinite(l) & valid[r0:r1].any(dim=1, keepdim=True))    # [n, H]
-        l0 = torch.where(empty, torch.zeros_like(l), l)
-        full = torch.logaddexp(l0, sink.unsqueeze(0))                          # [n, H]
-        p = torch.exp(s - full.unsqueeze(-1)).masked_fill(empty.unsqueeze(-1), 0.0)
-        m_abs = a.amax(dim=-1) if K else torch.zeros_like(l)                    # M  [n, H]
-        m_log = _finite_or_zero(s.amax(dim=-1) if K else torch.zeros_like(l))  # m  [n, H]
-        nv = valid[r0:r1].sum(dim=1, keepdim=True).to(F64)                     # n  [n, 1]
-        p_sink = torch.sigmoid(sink.unsqueeze(0) - l0)
-        sink_arg = torch.where(torch.isfinite(sink).unsqueeze(0) & ~empty,
-                               p_sink * (sink.unsqueeze(0) - m_log).abs(), torch.zeros_like(l))
-        rel_p = u.a * (2 * (D + 4) * m_abs + nv + 8 + sink_arg) + u.o
-        vabs = kabs[:, :, :dv]
-        pv = torch.bmm(p, vabs)                                                 # P @ |v|
-        mask_v = torch.bmm(valid[r0:r1].to(F64).unsqueeze(1), vabs)             # 1 @ |v|  [n,1,Dv]
-        b = (rel_p + 2 * nv * u.a).unsqueeze(-1) * pv + (u.ea + u.eo) * mask_v
-        if stored:
-            b = b + u.o * out[r0:r1].abs() + u.eo
-        bound_out[r0:r1] = b.masked_fill(empty.unsqueeze(-1), 0.0)
-        logn = torch.log(nv.clamp_min(1.0))
-        bl = u.a * ((D + 4) * m_abs + nv + 2 * logn + 5) + (2 * u.a + u.s) * l0.abs()
-        bound_lse[r0:r1] = bl.masked_fill(empty, 0.0)
+        c = _attention_chunk(q, padded, ids, valid, sink, lse, r0, min(r0 + step, T), scale, ws)
+        _forward_rows(c, u, sink, out, D, dv, stored, bound_out, bound_lse)
     return bound_out, bound_lse
+
+
+class _BackwardSums(NamedTuple):
+    """The section 6 backward bound's accumulators over the row chunks."""
+
+    b_dq: torch.Tensor       # [T, H, D], written per chunk
+    err_kv: torch.Tensor     # sum of propagated errors per kv row [S, D]
+    mag_kv: torch.Tensor     # sum of |terms| per kv row [S, D]
+    n_kv: torch.Tensor       # number of contributions per kv row [S, 1]
+    err_sink: torch.Tensor   # [H]
+    mag_sink: torch.Tensor   # [H]
+    n_sink: torch.Tensor     # [H]
+
+    @classmethod
+    def zeros(cls, dq, dkv) -> "_BackwardSums":
+        S, H = dkv.shape[0], dq.shape[1]
+        return cls(torch.zeros_like(dq), torch.zeros_like(dkv), torch.zeros_like(dkv),
+                   torch.zeros((S, 1), dtype=F64), torch.zeros(H, dtype=F64),
+                   torch.zeros(H, dtype=F64), torch.zeros(H, dtype=F64))
+
+    def bounds(self, u: _Units, dq, dkv, dsink):
+        """``(bound_dq, bound_dkv, bound_dsink)`` once every chunk is summed."""
+        b_dq = self.b_dq
+        b_dq += dq.abs().mul_(u.a + u.o).add_(u.eo)
+        b_dkv = self.err_kv + u.a * self.n_kv * self.mag_kv + u.o * dkv.abs() + u.eo
+        b_dsink = self.err_sink + u.a * self.n_sink * self.mag_sink + u.s * dsink.abs() + u.es
+        return b_dq, b_dkv, b_dsink
+
+
+def _backward_rows(ch: _AttentionChunk, u: _Units, ids, sink, sc, dv, out, dout, out_error,
+                   acc: _BackwardSums, ws: _Workspace):
+    """Section 12 backward bound of the chunk's rows (formulas:
+    :func:`attention_backward_bound`): ``bound_dq`` rows into ``acc.b_dq``, the ``dkv`` and
+    ``dsink`` terms added to ``acc``. Overwrites the workspace buffers ``kg`` and ``kabs``."""
+    r0, r1 = ch.r0, ch.r1
+    n, K, D = ch.kg.shape
+    H = ch.s.shape[1]
+    v, kg, kabs, qa, p, empty, l0 = ch.v, ch.kg, ch.kabs, ch.qa, ch.p, ch.empty, ch.l0
+    nv = ch.nv
+    rel_p = u.a * ((D + 3) * ch.m_abs + 3 * _finite_or_zero(ch.full).abs() + 6) + u.o
+    rel_p = rel_p.masked_fill(empty, 0.0)
+    do = dout[r0:r1]
+    doa = do.abs()
+    vg = kg[:, :, :dv]
+    delta = (do * out[r0:r1]).sum(dim=-1)                                       # [n, H]
+    c = (doa * out[r0:r1].abs()).sum(dim=-1)                                    # [n, H]
+    # [n, H, K] temporaries updated in place where the formula allows (each operation and its
+    # order as written in the docstring; x * y and y * x are the same float)
+    ds = torch.bmm(do, vg.transpose(1, 2)).sub_(delta.unsqueeze(-1)).mul_(p).abs_()  # |dS|
+    pd = p * (u.a * dv)                                                         # u_a Dv P
+    t = torch.bmm(doa, kabs[:, :, :dv].transpose(1, 2))                         # b_j [n,H,K]
+    t.add_(c.unsqueeze(-1)).mul_(pd)                                            # u_a Dv P (b_j + c)
+    e_ds = ds * (rel_p + 2 * u.a + u.o).unsqueeze(-1)
+    e_ds.add_(t).add_(u.eo * v.unsqueeze(1))
+    e_delta = torch.zeros_like(delta) if out_error is None else \
+        (doa * out_error[r0:r1]).sum(dim=-1).masked_fill(empty, 0.0)             # [n, H]
+    e_ds.add_(torch.mul(p, e_delta.unsqueeze(-1), out=pd)).masked_fill_(empty.unsqueeze(-1), 0.0)
+    acc.b_dq[r0:r1] = sc * torch.bmm(e_ds, kabs) + (nv * u.a).unsqueeze(-1) * sc * torch.bmm(ds, kabs)
+    # [n, K, D] in the workspace: the gathered keys' buffer takes the P |dO| products
+    e_ds = torch.mul(ds, u.a, out=pd).add_(e_ds)                                # E_dS + u_a |dS|
+    err = torch.bmm(e_ds.transpose(1, 2), qa, out=ws.take("err", n, K, D))
+    err.mul_(sc)
+    pdo = ws.take("kg", n, K, dv)
+    err[:, :, :dv] += torch.bmm(torch.mul(p, rel_p.unsqueeze(-1), out=t).transpose(1, 2), doa,
+                                out=pdo)
+    mag = torch.bmm(ds.transpose(1, 2), qa, out=ws.take("mag", n, K, D)).mul_(sc)
+    mag[:, :, :dv] += torch.bmm(p.transpose(1, 2), doa, out=pdo)
+    flat = v.reshape(-1).nonzero().squeeze(1)                                  # valid slots
+    rows = ids[r0:r1].reshape(-1).index_select(0, flat)
+    sel = ws.take("kabs", rows.numel(), D)
+    acc.err_kv.index_add_(0, rows, torch.index_select(err.view(n * K, D), 0, flat, out=sel))
+    acc.mag_kv.index_add_(0, rows, torch.index_select(mag.view(n * K, D), 0, flat, out=sel))
+    acc.n_kv.index_add_(0, rows, torch.full((rows.numel(), 1), float(H), dtype=F64))
+    # dsink: p_sink = sigmoid(sink - lse), 0 on rows without keys and where sink = -inf.
+    z = sink.unsqueeze(0) - l0
+    ps = torch.sigmoid(z).masked_fill(empty, 0.0)
+    rel_ps = u.a * (torch.where(torch.isfinite(z), (1 - ps) * z.abs(), torch.zeros_like(z)) + 5)
+    acc.err_sink.add_((ps * (rel_ps * delta.abs() + u.a * dv * c + e_delta)).sum(dim=0))
+    acc.mag_sink.add_((ps * delta.abs()).sum(dim=0))
+    acc.n_sink.add_((~empty).to(F64).sum(dim=0))
 
 
 def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *, precision,
@@ -271,9 +423,26 @@ def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *
     ``bound_dsink``.
     """
     u = _units(precision)
-    q, kv, ids, sink, scale, dv, lengths = _attention_inputs(q, kv, ids, sink, scale, v_dim, lengths)
+    q, kv, ids, sink, scale, dv, lengths, out, lse, dout, dq, dkv, dsink, out_error = \
+        _backward_inputs(q, kv, ids, sink, scale, v_dim, lengths, out, lse, dout, dq, dkv, dsink,
+                         out_error)
     T, H, D = q.shape
     S, K = kv.shape[0], ids.shape[1]
+    valid = valid_slots(ids, S, lengths)
+    acc = _BackwardSums.zeros(dq, dkv)
+    step = rows_per_chunk(chunk_rows, 8 * K * (6 * D + 8 * H))
+    padded, ws = _padded(kv), _Workspace()
+    for r0 in range(0, T, step):
+        c = _attention_chunk(q, padded, ids, valid, sink, lse, r0, min(r0 + step, T), scale, ws)
+        _backward_rows(c, u, ids, sink, abs(scale), dv, out, dout, out_error, acc, ws)
+    return acc.bounds(u, dq, dkv, dsink)
+
+
+def _backward_inputs(q, kv, ids, sink, scale, v_dim, lengths, out, lse, dout, dq, dkv, dsink,
+                     out_error):
+    q, kv, ids, sink, scale, dv, lengths = _attention_inputs(q, kv, ids, sink, scale, v_dim, lengths)
+    T, H, D = q.shape
+    S = kv.shape[0]
     out = as_float64(out, "out", ndim=3)
     lse = as_float64(lse, "lse", ndim=2)
     dout = as_float64(dout, "dout", ndim=3)
@@ -287,65 +456,43 @@ def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *
                            ("dout", dout, (T, H, dv)), ("dq", dq, (T, H, D)),
                            ("dkv", dkv, (S, D)), ("dsink", dsink, (H,))):
         _same_shape(t, name, shape)
-    sc = abs(scale)
-    valid = valid_slots(ids, S, lengths)
-    b_dq = torch.zeros_like(dq)
-    err_kv = torch.zeros_like(dkv)                 # sum of propagated errors per kv row
-    mag_kv = torch.zeros_like(dkv)                 # sum of |terms| per kv row
-    n_kv = torch.zeros((S, 1), dtype=F64)          # number of contributions per kv row
-    err_sink = torch.zeros(H, dtype=F64)
-    mag_sink = torch.zeros(H, dtype=F64)
-    n_sink = torch.zeros(H, dtype=F64)
+    return q, kv, ids, sink, scale, dv, lengths, out, lse, dout, dq, dkv, dsink, out_error
+
+
+def attention_bounds(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *, precision, scale=None,
+                     v_dim=None, lengths=None, chunk_rows=None):
+    """Section 12 bounds of the section 6 forward and backward in one pass, for a backward that
+    consumes the forward's own ``out`` and ``lse`` (the oracle pipeline,
+    ``fixtures.oracle_bounds``): ``(bound_out, bound_lse, bound_dq, bound_dkv, bound_dsink)``,
+    those of :func:`attention_forward_bound` (stored ``out``) and
+    :func:`attention_backward_bound` (no ``out_error``) on the same arguments, bitwise. Each
+    chunk's gathered keys, ``|k|``, logits, magnitudes and ``P`` serve both, and the rows are
+    chunked as the backward's (its ``dsink`` sums follow its chunks). Every forward quantity is
+    a function of its own row, but CPU kernels may round a row by its position in the chunk
+    (vector body or tail of ``sigmoid``/``logaddexp``, MKL's per-item alignment in ``bmm``:
+    ``docs/FIXTURES.md``, ``docs/ORACLE_SELF_TESTS.md``); with several chunks, the one pass
+    therefore requires shapes whose rows fill whole vectors (``H`` a multiple of 16; ``K``,
+    ``D``, ``Dv`` of 8, as the DSv4 shapes) and otherwise evaluates the two functions."""
+    u = _units(precision)
+    q, kv, ids, sink, scale, dv, lengths, out, lse, dout, dq, dkv, dsink, _ = _backward_inputs(
+        q, kv, ids, sink, scale, v_dim, lengths, out, lse, dout, dq, dkv, dsink, None)
+    T, H, D = q.shape
+    S, K = kv.shape[0], ids.shape[1]
     step = rows_per_chunk(chunk_rows, 8 * K * (6 * D + 8 * H))
+    if T > step and (H % 16 or K % 8 or D % 8 or dv % 8):
+        kw = dict(precision=precision, scale=scale, v_dim=dv, lengths=lengths)
+        return attention_forward_bound(q, kv, ids, sink, out, lse, chunk_rows=chunk_rows, **kw) \
+            + attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink,
+                                       chunk_rows=chunk_rows, **kw)
+    valid = valid_slots(ids, S, lengths)
+    bound_out, bound_lse = torch.zeros_like(out), torch.zeros_like(lse)
+    acc = _BackwardSums.zeros(dq, dkv)
+    padded, ws = _padded(kv), _Workspace()
     for r0 in range(0, T, step):
-        r1 = min(r0 + step, T)
-        n = r1 - r0
-        v = valid[r0:r1]
-        kg, kabs, qa, s, a = _gathered(q, kv, ids, valid, r0, r1, scale)
-        l = lse[r0:r1]
-        empty = ~(torch.isfinite(l) & v.any(dim=1, keepdim=True))
-        l0 = torch.where(empty, torch.zeros_like(l), l)
-        full = torch.logaddexp(l0, sink.unsqueeze(0))
-        p = torch.exp(s - full.unsqueeze(-1)).masked_fill(empty.unsqueeze(-1), 0.0)
-        m_abs = a.amax(dim=-1) if K else torch.zeros_like(l)
-        nv = v.sum(dim=1, keepdim=True).to(F64)
-        rel_p = u.a * ((D + 3) * m_abs + 3 * _finite_or_zero(full).abs() + 6) + u.o
-        rel_p = rel_p.masked_fill(empty, 0.0)
-        do = dout[r0:r1]
-        doa = do.abs()
-        vg = kg[:, :, :dv]
-        delta = (do * out[r0:r1]).sum(dim=-1)                                   # [n, H]
-        c = (doa * out[r0:r1].abs()).sum(dim=-1)                                # [n, H]
-        dp = torch.bmm(do, vg.transpose(1, 2))
-        bmag = torch.bmm(doa, kabs[:, :, :dv].transpose(1, 2))                  # b_j [n,H,K]
-        ds = (p * (dp - delta.unsqueeze(-1))).abs()                             # |dS|
-        e_ds = (rel_p + 2 * u.a + u.o).unsqueeze(-1) * ds \
-            + u.a * dv * p * (bmag + c.unsqueeze(-1)) + u.eo * v.unsqueeze(1)
-        e_delta = torch.zeros_like(delta) if out_error is None else \
-            (doa * out_error[r0:r1]).sum(dim=-1).masked_fill(empty, 0.0)         # [n, H]
-        e_ds = e_ds + p * e_delta.unsqueeze(-1)
-        e_ds = e_ds.masked_fill(empty.unsqueeze(-1), 0.0)
-        b_dq[r0:r1] = sc * torch.bmm(e_ds, kabs) + (nv * u.a).unsqueeze(-1) * sc * torch.bmm(ds, kabs)
-        err = sc * torch.bmm((e_ds + u.a * ds).transpose(1, 2), qa)            # [n, K, D]
-        err[:, :, :dv] += torch.bmm((rel_p.unsqueeze(-1) * p).transpose(1, 2), doa)
-        mag = sc * torch.bmm(ds.transpose(1, 2), qa)
-        mag[:, :, :dv] += torch.bmm(p.transpose(1, 2), doa)
-        flat = v.reshape(-1)
-        rows = ids[r0:r1].reshape(-1)[flat]
-        err_kv.index_add_(0, rows, err.reshape(n * K, D)[flat])
-        mag_kv.index_add_(0, rows, mag.reshape(n * K, D)[flat])
-        n_kv.index_add_(0, rows, torch.full((rows.numel(), 1), float(H), dtype=F64))
-        # dsink: p_sink = sigmoid(sink - lse), 0 on rows without keys and where sink = -inf.
-        z = sink.unsqueeze(0) - l0
-        ps = torch.sigmoid(z).masked_fill(empty, 0.0)
-        rel_ps = u.a * (torch.where(torch.isfinite(z), (1 - ps) * z.abs(), torch.zeros_like(z)) + 5)
-        err_sink += (ps * (rel_ps * delta.abs() + u.a * dv * c + e_delta)).sum(dim=0)
-        mag_sink += (ps * delta.abs()).sum(dim=0)
-        n_sink += (~empty).to(F64).sum(dim=0)
-    b_dq += (u.a + u.o) * dq.abs() + u.eo
-    b_dkv = err_kv + u.a * n_kv * mag_kv + u.o * dkv.abs() + u.eo
-    b_dsink = err_sink + u.a * n_sink * mag_sink + u.s * dsink.abs() + u.es
-    return b_dq, b_dkv, b_dsink
+        c = _attention_chunk(q, padded, ids, valid, sink, lse, r0, min(r0 + step, T), scale, ws)
+        _forward_rows(c, u, sink, out, D, dv, True, bound_out, bound_lse)   # reads kabs
+        _backward_rows(c, u, ids, sink, abs(scale), dv, out, dout, None, acc, ws)
+    return (bound_out, bound_lse) + acc.bounds(u, dq, dkv, dsink)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,20 +643,24 @@ def indexer_loss_bound(q, kv_cmp, sink, lse, compressed_ids, index_scores, layou
     b_p = torch.zeros((T, Kc), dtype=F64)
     b_kl = torch.zeros(T, dtype=F64)
     step = rows_per_chunk(chunk_rows, 8 * Kc * (2 * D + 6 * H))
+    padded, ws = _padded(kc), _Workspace()
     for r0 in range(0, T, step):
         r1 = min(r0 + step, T)
         sel = valid[r0:r1]                                                    # selected slots
         mv = sel & has_mass[r0:r1].unsqueeze(1)                               # ... with mass
         hv = (mv.unsqueeze(1) & fin[r0:r1].unsqueeze(-1))                     # [n, H, Kc]
         nv = mv.sum(dim=1, keepdim=True).to(F64)
-        kg = _gather_valid(kc, ids[r0:r1], valid[r0:r1])
-        s = scale * torch.bmm(q[r0:r1], kg.transpose(1, 2))                  # [n, H, Kc]
-        a = abs(scale) * torch.bmm(q[r0:r1].abs(), kg.abs().transpose(1, 2))
+        n = r1 - r0
+        kg = _gather_valid(padded, ids[r0:r1], valid[r0:r1], out=ws.take("kg", n, Kc, D))
+        s = torch.bmm(q[r0:r1], kg.transpose(1, 2)).mul_(scale)              # [n, H, Kc]
+        qa = torch.abs(q[r0:r1], out=ws.take("qa", n, H, D))
+        a = torch.bmm(qa, kg.abs_().transpose(1, 2)).mul_(abs(scale))
         nrm = _finite_or_zero(norm[r0:r1]).unsqueeze(-1)
-        A = torch.exp(s - nrm).masked_fill(~hv, 0.0)
-        rA = u.a * ((D + 3) * a + off[r0:r1].unsqueeze(-1) + 3 * nrm.abs() + 6) \
-            + e_full[r0:r1].unsqueeze(-1)
-        errA = torch.where(hv, rA * A + u.ea, torch.zeros_like(A))
+        # [n, H, Kc] temporaries in place, each operation and its order as written above
+        A = s.sub_(nrm).exp_().masked_fill_(~hv, 0.0)
+        rA = a.mul_(D + 3).add_(off[r0:r1].unsqueeze(-1)).add_(3 * nrm.abs()).add_(6) \
+            .mul_(u.a).add_(e_full[r0:r1].unsqueeze(-1))
+        errA = rA.mul_(A).add_(u.ea).masked_fill_(~hv, 0.0)
         num = A.sum(dim=1)                                                    # [n, Kc]
         err_num = errA.sum(dim=1) + u.a * H * num
         Z = num.sum(dim=1, keepdim=True)
@@ -597,14 +748,15 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
     mag_k = torch.zeros_like(dk)
     n_k = torch.zeros((C, 1), dtype=F64)
     step = rows_per_chunk(chunk_rows, 8 * Kc * (4 * DI + 8 * HI))
+    padded, ws = _padded(k), _Workspace()
     for r0 in range(0, T, step):
         r1 = min(r0 + step, T)
         n = r1 - r0
         v = valid[r0:r1]
         nv = v.sum(dim=1, keepdim=True).to(F64)                               # [n, 1]
-        kg = _gather_valid(k, ids[r0:r1], v)
+        kg = _gather_valid(padded, ids[r0:r1], v, out=ws.take("kg", n, Kc, DI))
         qc, wc = q[r0:r1], w[r0:r1]
-        qa, kabs = qc.abs(), kg.abs()
+        qa, kabs = qc.abs(), torch.abs(kg, out=ws.take("kabs", n, Kc, DI))
         z = torch.bmm(qc, kg.transpose(1, 2))                                # [n, H_I, Kc]
         zeta = torch.bmm(qa, kabs.transpose(1, 2))
         relu = torch.relu(z)
@@ -641,22 +793,27 @@ def indexer_loss_grad_bound(q_idx, k_idx, weights, compressed_ids, target, predi
         e_g = torch.where(v, e_g, torch.zeros_like(e_g)).unsqueeze(1)       # [n, 1, Kc]
         g = torch.where(v, g, torch.zeros_like(g)).unsqueeze(1)
         wa3 = wc.abs().unsqueeze(-1)                                          # [n, H_I, 1]
-        dz = u.a * (DI + 1) * zeta
-        amb = (z.abs() <= dz).to(F64)
-        gate = ((z > 0).to(F64) + amb).clamp_max(1.0)
-        ds = g * wa3 * (z > 0).to(F64)                                       # |dS|
-        e_ds = wa3 * gate * e_g + (u.a + u.o) * ds + amb * g * wa3 + u.eo * v.unsqueeze(1)
+        # [n, H_I, Kc] temporaries in place (each operation and its order as in the docstring;
+        # x * y and y * x are the same float)
+        dz = zeta.mul_(u.a * (DI + 1))                                        # u_a (D_I+1) zeta
+        amb = torch.abs(z, out=ws.take("amb", n, HI, Kc)).le_(dz)           # ambiguous gate
+        pos = (z > 0).to(F64)
+        gate = torch.add(pos, amb).clamp_max_(1.0)
+        ds = torch.mul(g, wa3).mul_(pos)                                     # |dS|
+        e_ds = gate.mul_(wa3).mul_(e_g).add_(ds * (u.a + u.o)).add_(amb.mul_(g).mul_(wa3)) \
+            .add_(u.eo * v.unsqueeze(1))
         b_dq[r0:r1] = sc * torch.bmm(e_ds, kabs) + (nv * u.a).unsqueeze(-1) * sc * torch.bmm(ds, kabs)
-        b_dw[r0:r1] = sc * (e_g * relu + g * dz + (u.a + u.o) * g * relu).sum(dim=-1) \
-            + nv * u.a * sc * (g * relu).sum(dim=-1)
-        err = sc * torch.bmm(e_ds.transpose(1, 2), qa)                       # [n, Kc, D_I]
-        mag = sc * torch.bmm(ds.transpose(1, 2), qa)
-        flat = v.reshape(-1)
-        rows = ids[r0:r1].reshape(-1)[flat]
-        err_k.index_add_(0, rows, err.reshape(n * Kc, DI)[flat])
-        mag_k.index_add_(0, rows, mag.reshape(n * Kc, DI)[flat])
+        x = torch.mul(relu, e_g).add_(dz.mul_(g)).add_(torch.mul((u.a + u.o) * g, relu, out=dz))
+        b_dw[r0:r1] = sc * x.sum(dim=-1) + nv * u.a * sc * relu.mul_(g).sum(dim=-1)
+        err = torch.bmm(e_ds.transpose(1, 2), qa, out=ws.take("err", n, Kc, DI)).mul_(sc)
+        mag = torch.bmm(ds.transpose(1, 2), qa, out=ws.take("mag", n, Kc, DI)).mul_(sc)
+        flat = v.reshape(-1).nonzero().squeeze(1)                              # valid slots
+        rows = ids[r0:r1].reshape(-1).index_select(0, flat)
+        sel = ws.take("kg", rows.numel(), DI)                # the gathered keys are consumed
+        err_k.index_add_(0, rows, torch.index_select(err.view(n * Kc, DI), 0, flat, out=sel))
+        mag_k.index_add_(0, rows, torch.index_select(mag.view(n * Kc, DI), 0, flat, out=sel))
         n_k.index_add_(0, rows, torch.full((rows.numel(), 1), float(HI), dtype=F64))
-    b_dq += (u.a + u.o) * dq.abs() + u.eo
+    b_dq += dq.abs().mul_(u.a + u.o).add_(u.eo)
     b_dw += (u.a + u.o) * dw_.abs() + u.eo
     b_dk = err_k + u.a * n_k * mag_k + (u.a + u.o) * dk.abs() + u.eo
     return b_dq, b_dw, b_dk

@@ -27,7 +27,8 @@ from dsv4_oracle.reference import (PackedLayout, indexer_scores, q_rms_norm, q_r
                        sparse_indexer_loss_grad, stable_topk)
 from dsv4_oracle.reference.dense import dense_attention, slot_counts
 from dsv4_oracle.reference.error_model import (ORACLE_PRECISION, IndexerLossBound, Precision,
-                                   attention_backward_bound, attention_forward_bound,
+                                   attention_backward_bound, attention_bounds,
+                                   attention_forward_bound,
                                    indexer_loss_bound, indexer_loss_grad_bound,
                                    indexer_scores_bound, q_rms_norm_bound)
 
@@ -246,6 +247,36 @@ def test_attention_backward_fp64_vs_autograd():
                                       precision=FP64, scale=scale, v_dim=DV)
     for g, e, b in zip(got, (dq, dkv, dsink), bounds):
         assert ratio(g, e, b) <= 1
+
+
+@pytest.mark.parametrize("heads", [16, H])
+@pytest.mark.parametrize("chunks", [(None, None), (5, 7), (3, 2), (24, 5), (1, 3)])
+def test_attention_bounds_are_bitwise_the_forward_and_backward_bounds(chunks, heads):
+    """The one-pass bounds of the pipeline (forward and backward sharing each chunk) equal those
+    of the two functions bitwise, whatever the forward's rows per chunk (the backward's sums
+    over rows, e.g. of ``dsink``, follow its own chunks, which the one pass keeps). With 16
+    heads the rows fill whole vectors and one pass serves both; with 4 and several chunks it
+    evaluates the two functions."""
+    fwd_rows, bwd_rows = chunks
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(T, heads, D, generator=g).to(BF16)
+    kv = torch.randn(S, D, generator=g).to(BF16)
+    ids = torch.randint(-3, S + 2, (T, K), generator=g)
+    ids[5] = -1
+    sink = torch.randn(heads, generator=g)
+    out, lse = sparse_attention_forward(q, kv, ids, sink, v_dim=DV)
+    dout = torch.randn(T, heads, DV, generator=g).to(BF16)
+    grads = sparse_attention_backward(q, kv, ids, sink, out, lse, dout, v_dim=DV)
+    lengths = torch.arange(T) % (K + 3)
+    fwd = attention_forward_bound(q, kv, ids, sink, out, lse, precision=KERNEL, v_dim=DV,
+                                  lengths=lengths, chunk_rows=fwd_rows)
+    bwd = attention_backward_bound(q, kv, ids, sink, out, lse, dout, *grads, precision=KERNEL,
+                                   v_dim=DV, lengths=lengths, chunk_rows=bwd_rows)
+    both = attention_bounds(q, kv, ids, sink, out, lse, dout, *grads, precision=KERNEL, v_dim=DV,
+                            lengths=lengths, chunk_rows=bwd_rows)
+    assert len(both) == 5
+    for name, got, want in zip(("out", "lse", "dq", "dkv", "dsink"), both, fwd + bwd):
+        assert torch.equal(got, want), name
 
 
 def test_attention_backward_bf16_kernel_within_bound_and_not_vacuous():
