@@ -38,7 +38,7 @@ import torch
 from .adapters import LAYER_OP, OPS, Adapter, AdapterError, looser_than_default
 from .compare import CheckResult, check_grad_mode_parity, check_no_mutation, check_replays
 from .conformance import (FORWARD_OUTPUTS, QUANTITIES, OpError, forget_measurements, judge,
-                          layer_applies, run_layer, run_ops, tensors_of)
+                          layer_applies, not_applicable, run_layer, run_ops, tensors_of)
 from .invoke import op_timeout, text, watching
 from .rejections import REJECTION_CASES, check_rejections
 from .wording import did_you_mean
@@ -348,6 +348,14 @@ def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None,
     are memoised there on the content hash of what they read."""
     t0 = time.perf_counter()
     out = CaseOutcome(case)
+    why = not_applicable(case, adapter.policies)
+    if why is not None:                 # section 5.2: the declared policies void this case
+        out.checks.append(CheckResult(
+            "not applicable", "error", True, None, None,
+            f"not judged: this case does not apply under the declared policies: {why}",
+            {"quantity": "run", "level": "op"}, judged=False))
+        out.elapsed_s = time.perf_counter() - t0
+        return out
     try:
         x = case.materialize(device=adapter.device)
     except Exception as exc:

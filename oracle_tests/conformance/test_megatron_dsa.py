@@ -26,7 +26,7 @@ from dsv4_oracle.examples.megatron_dsa_adapter import (MEGATRON_POLICIES, Megatr
 from dsv4_oracle.fixtures import get
 from dsv4_oracle.protocol import OPS
 from dsv4_oracle.reference.contract_policies import DEFAULT_POLICIES, POLICIES
-from dsv4_oracle.runner import _op_failed, level_precision, quick_ids
+from dsv4_oracle.runner import _op_failed, check_case, level_precision, quick_ids
 
 DSA_QUICK = sorted(c for c in quick_ids() if c.startswith("dsa-"))
 # CSA cases of the quick catalog the configurations below are run on (padding, sinks of every
@@ -184,3 +184,18 @@ def test_bad_configurations_name_the_argument():
     assert MegatronDSAAdapter().policies == MEGATRON_POLICIES
     assert MegatronDSASparseReal().policies == {**MEGATRON_POLICIES, "teacher": "sparse",
                                                 "loss_norm": "real"}
+
+
+def test_check_leaves_a_case_the_declared_policies_void_unjudged():
+    # dsv4-oracle check of an adapter declaring padding_rows="attend": the poisoned layouts are
+    # one not-judged check each (named, with the reason), not a failure; under the defaults the
+    # same adapter class is judged on them as usual
+    declared = Adapter(MegatronDSAAdapter(), name="m", spec="megatron_dsa_adapter")
+    case = get("nan-poison-layer")
+    out = check_case(declared, case, replays=0)
+    assert out.passed and len(out.checks) == 1
+    (c,) = out.checks
+    assert c.status == "not_judged" and "padding_rows=attend" in c.detail
+    defaults = Adapter(MegatronDSAAdapter(**DEFAULT_POLICIES), name="d", spec="megatron_dsa_adapter")
+    judged = check_case(defaults, case, replays=0)
+    assert judged.passed and len(judged.checks) > 10
