@@ -265,15 +265,15 @@ def _compressed(case) -> bool:
     return bool(getattr(case, "compressor", False)) and case.is_layer
 
 
-# reads derived from other reads when the compressed keys come from the compressor: the
-# attention's key buffer (raw rows, then the compressor's kv_cmp in the raw rows' dtype) and
-# the compressor backward's upstream (the compressed rows of the attention's dkv)
 def _key_buffer(kv_raw: torch.Tensor, kv_cmp: torch.Tensor) -> torch.Tensor:
     """``[kv_raw; kv_cmp]`` in the raw rows' dtype, on the device ``kv_cmp`` was produced on
     (the oracle's compute device, or the implementation's)."""
     return torch.cat([kv_raw.to(kv_cmp.device), kv_cmp.to(kv_raw.dtype)])
 
 
+# reads derived from other reads when the compressed keys come from the compressor: the
+# attention's key buffer (raw rows, then the compressor's kv_cmp in the raw rows' dtype) and
+# the compressor backward's upstream (the compressed rows of the attention's dkv)
 _DERIVED = {
     "kv": lambda case, r: _key_buffer(r("kv_raw"), r("kv_cmp")),
     "dkv_cmp": lambda case, r: r("dkv")[case.T:],

@@ -454,17 +454,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_OF_SIZE[t.element_size()]) if t.element_size() in _INT_OF_SIZE else t
 
 
-def _same_bits(before: torch.Tensor, after: torch.Tensor) -> bool:
-    """``after`` holds ``before``'s dtype, shape and bits (the common answer, cheaply)."""
-    if after.dtype != before.dtype or after.shape != before.shape:
-        return False
-    return before.numel() == 0 or torch.equal(_bits(before.detach()), _bits(after.detach()))
-
-
 def _written(before, after) -> str | None:
     """How ``after`` differs from ``before`` (``None`` when bit for bit the same)."""
-    if isinstance(before, torch.Tensor) and _same_bits(before, after):
-        return None
     if isinstance(before, dict):               # a layout's plain attributes
         now = _plain(after)
         changed = [k for k in set(before) | set(now) if before.get(k) != now.get(k)]
@@ -477,10 +468,10 @@ def _written(before, after) -> str | None:
                 f"{list(after.shape)} in place")
     if before.numel() == 0:
         return None
+    b, a = _bits(before.detach()), _bits(after.detach())
+    if torch.equal(b, a):                      # the usual answer, without a count
+        return None
     with torch.no_grad():
-        b, a = _bits(before.detach()), _bits(after.detach())
-        if torch.equal(b, a):                  # the usual answer, without a count
-            return None
         diff = b != a
         if diff.dim() > before.dim():              # complex: either part
             diff = diff.any(dim=-1)
@@ -506,6 +497,11 @@ def _owned(res):
 # ---------------------------------------------------------------------------------------------
 # returned tensors, watched after they are returned
 # ---------------------------------------------------------------------------------------------
+def _place(t: torch.Tensor) -> tuple:
+    """Where and how ``t``'s values lie: a view made of ``t`` still reads them while this holds."""
+    return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
+
+
 class Watched:
     """The tensors ops returned (the adapter's own objects), each kept with the copy taken when
     it was returned, and compared bit for bit with that copy after every later call
@@ -532,9 +528,10 @@ class Watched:
                 and t.device.type != "meta"}
         for name, t in kept.items():
             c = copies[name]
-            # bit views of both, made once: a write into t shows through its view
-            views = (_bits(t.detach()), _bits(c)) if t.dtype == c.dtype else None
-            self.entries.append((self.tag, op, name, t, c, t.shape, views))
+            # bit views of both, made once: a write into t's memory shows through its view (a
+            # t moved to other memory, or reshaped, is compared afresh by _written)
+            views = (_bits(t.detach()), _bits(c))
+            self.entries.append((self.tag, op, name, t, c, _place(t), views))
         self.held[self.tag] = self.held.get(self.tag, 0) + len(kept)
 
     def verify(self, by_op: str | None = None) -> None:
@@ -543,9 +540,8 @@ class Watched:
             self.calls += 1
         keep = []
         for entry in self.entries:
-            tag, op, name, t, copy, shape, views = entry
-            if views is not None and t.shape == shape and t.dtype == copy.dtype and \
-                    torch.equal(*views):
+            tag, op, name, t, copy, place, views = entry
+            if _place(t) == place and torch.equal(*views):
                 keep.append(entry)              # unchanged: the usual answer, cheaply
                 continue
             how = _written(copy, t)

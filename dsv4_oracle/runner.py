@@ -36,7 +36,8 @@ from typing import Callable
 import torch
 
 from .adapters import LAYER_OP, OPS, Adapter, AdapterError, looser_than_default
-from .compare import CheckResult, check_grad_mode_parity, check_no_mutation, check_replays
+from .compare import (CheckResult, check_grad_mode_parity, check_no_mutation, check_replays,
+                      not_judged)
 from .conformance import (FORWARD_OUTPUTS, QUANTITIES, OpError, forget_measurements, judge,
                           layer_applies, not_applicable, run_layer, run_ops, tensors_of)
 from .invoke import op_timeout, text, watching
@@ -350,10 +351,10 @@ def check_case(adapter: Adapter, case, *, replays: int = 3, ops=None,
     out = CaseOutcome(case)
     why = not_applicable(case, adapter.policies)
     if why is not None:                 # section 5.2: the declared policies void this case
-        out.checks.append(CheckResult(
-            "not applicable", "error", True, None, None,
-            f"not judged: this case does not apply under the declared policies: {why}",
-            {"quantity": "run", "level": "op"}, judged=False))
+        level = "op" if any(adapter.has(o) for o in OPS) else "layer"
+        out.checks.append(not_judged("not applicable", "error", "this case does not apply "
+                                     f"under the declared policies: {why}", quantity="run",
+                                     level=level))
         out.elapsed_s = time.perf_counter() - t0
         return out
     try:

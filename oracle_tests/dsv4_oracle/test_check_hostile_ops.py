@@ -100,6 +100,9 @@ BAD_OPS = [
      "its returned out changed after it was returned, during the later call of "
      "sparse_attention_forward (a call on other inputs, after the replays): ",
      {"out", "lse"} | ATTENTION),
+    ("RepointedOutAdapter", LAYER_CASE, "op",
+     [("outputs_stable: sparse_attention_forward", "outputs_stable")],
+     "its returned out changed after it was returned, during the ", {"out", "lse"} | ATTENTION),
     ("ScratchOutBackwardAdapter", LAYER_CASE, "op",
      [("outputs_stable: sparse_attention_forward", "outputs_stable")],
      "its returned out changed after it was returned, during the later call of "

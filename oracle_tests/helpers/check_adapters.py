@@ -303,6 +303,28 @@ class WorkspaceForwardAdapter(GpuImplAdapter):
         return w_out, w_lse
 
 
+class RepointedOutAdapter(GpuImplAdapter):
+    """gpu_impl:torch whose forward, on its next call, points the ``out`` it returned before at
+    other memory (``Tensor.set_``: same shape and dtype, zeros): the caller's tensor changes
+    although no byte of the memory it was returned in is written."""
+
+    ops = ("sparse_attention_forward", "sparse_attention_backward")
+
+    def __init__(self):
+        super().__init__("torch", "cpu")
+        self.name = "repointed out (test fixture)"
+        self._last = None
+
+    def sparse_attention_forward(self, q, kv, ids, sink, *, v_dim=None, lengths=None):
+        if self._last is not None:
+            with torch.no_grad():
+                self._last.set_(torch.zeros_like(self._last))
+        out, lse, _ = super().sparse_attention_forward(q, kv, ids, sink, v_dim=v_dim,
+                                                       lengths=lengths)
+        self._last = out
+        return out, lse
+
+
 class ScratchOutBackwardAdapter(GpuImplAdapter):
     """gpu_impl:torch whose backward uses the ``out`` its forward returned as scratch space
     (zeroing it), after computing the right gradients."""
