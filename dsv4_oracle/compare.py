@@ -31,6 +31,7 @@ from dsv4_oracle.reference._checks import compute_device
 __all__ = [
     "CheckResult",
     "compare_numeric",
+    "NumericComparison",
     "compare_exact",
     "compare_topk",
     "near_tie_rows",
@@ -226,57 +227,88 @@ def compare_numeric(name: str, actual, expected, bound) -> CheckResult:
     except RuntimeError:
         raise ValueError(f"bound of shape {tuple(b.shape)} does not broadcast to expected "
                          f"{tuple(e.shape)}") from None
-    n = e.numel()
-    if n and any(bool(torch.isnan(c).any()) or bool((c < 0).any())
-                 for c in (_work(b[rows]).to(_F64) for rows in row_chunks(b))):
-        raise ValueError("bound must be non-negative and free of NaN")
-    if tuple(a.shape) != tuple(e.shape):
-        return CheckResult(name, "numeric", False, math.inf, None,
-                           f"shape {tuple(a.shape)} != expected {tuple(e.shape)}",
-                           {"shape": list(a.shape), "expected_shape": list(e.shape)})
-    if n == 0:
-        return not_judged(name, "numeric", "empty tensor, nothing to compare", numel=0)
-    s = _NumericScan()
-    for rows in row_chunks(e):
-        s.add(_work(a[rows]).to(_F64), _work(e[rows]).to(_F64), _work(b_full[rows]).to(_F64))
-    if s.nbad:
-        # 1. the non-finite positions (-inf, +inf, NaN) must be identical: an exact check
-        i = s.first_bad
-        idx = _index(i, e.shape)
-        av, ev = _element(a, idx), _element(e, idx)
-        return CheckResult(
-            name, "numeric", False, math.inf, s.nbad,
-            f"{s.nbad} of {n} non-finite positions differ; first at {idx}: actual "
-            f"{av!r}, expected {ev!r}",
-            {"nonfinite_mismatches": s.nbad, "worst_index": idx, "numel": n})
-    # 2. error / bound over the finite positions; ill-conditioned elements are not judged
-    passed = s.over == 0
-    judged = not passed or s.n_ill < n
-    worst, i = s.worst_all if not passed or not judged else s.worst_judged
-    idx = _index(i, e.shape)
-    av, ev, bv = _element(a, idx), _element(e, idx), _element(b_full, idx)
-    ei = abs(av - ev) if math.isfinite(av) and math.isfinite(ev) else 0.0
-    extra = {"max_error": s.max_error, "worst_index": idx, "worst_error": ei,
-             "worst_bound": bv, "numel": n, "ill_conditioned": s.n_ill}
-    if ev == 0.0 and not passed:    # the contract makes it exactly 0: say so, not a ratio
-        extra["expected_zero"] = True
-        zeros = "everywhere" if s.n_zero == n else f"at {s.n_zero} of {n} elements"
-        at = (f"expected exactly 0 {zeros}; actual {av!r} at {idx} (error {ei:.3g}, bound "
-              f"{bv:.3g}: ratio {worst:.3g})")
-    else:
-        at = (f"ratio {worst:.3g} (error {ei:.3g} / bound {bv:.3g}) at {idx}: "
-              f"actual {av!r}, expected {ev!r}")
-    # ill-conditioned elements over their bound fail the check: only the others are not judged
-    quiet = s.n_ill - s.n_ill_over
-    ill_txt = (f"; {quiet} of {n} elements not judged (ill-conditioned)" if quiet and judged
-               else "")
-    if not judged:
-        return CheckResult(name, "numeric", True, worst, 0,
-                           f"not judged: all {n} elements ill-conditioned (bound >= |expected|); "
-                           f"largest {at}", {**extra, "not_judged": "ill-conditioned"},
-                           judged=False)
-    detail = at + ("" if passed else f"; {s.over} of {n} elements over their bound") + ill_txt
-    return CheckResult(name, "numeric", passed, worst, s.over, detail, extra)
+    c = NumericComparison(name, a, e.shape)
+    c.add(..., e, b_full)
+    return c.result()
+
+
+class NumericComparison:
+    """:func:`compare_numeric` of ``actual`` against an expected tensor of shape ``shape`` that
+    arrives in blocks of rows, in row order (``add``), each dropped once scanned: a judge that
+    streams the oracle row block by row block never holds the whole expected tensor or its
+    bound. Every field of :meth:`result` is the one :func:`compare_numeric` gives on the whole
+    tensors (the scan's counts add over blocks, a maximum keeps the first index that reaches it,
+    and the expected value and bound at a reported index are kept when scanned)."""
+
+    def __init__(self, name: str, actual: torch.Tensor, shape):
+        self.name = _name(name)
+        self.actual = _tensor(actual, "actual")
+        self.shape = tuple(shape)
+        self.same_shape = tuple(self.actual.shape) == self.shape
+        self.scan = _NumericScan()
+
+    def add(self, rows, expected: torch.Tensor, bound: torch.Tensor) -> None:
+        """The next block: ``expected`` and ``bound`` (broadcastable to it) of the rows
+        ``rows`` (a slice of the first dimension; ``...`` for all of it)."""
+        e = _tensor(expected, "expected")
+        b = torch.broadcast_to(_tensor(bound, "bound"), e.shape)
+        chunks = list(row_chunks(e))
+        if e.numel() and any(bool(torch.isnan(c).any()) or bool((c < 0).any())
+                             for c in (_work(b[r]).to(_F64) for r in chunks)):
+            raise ValueError("bound must be non-negative and free of NaN")
+        if not self.same_shape:
+            return
+        a = self.actual if rows is ... else self.actual[rows]
+        for r in chunks:
+            self.scan.add(_work(a[r]).to(_F64), _work(e[r]).to(_F64), _work(b[r]).to(_F64))
+
+    def result(self) -> CheckResult:
+        name, a, shape, s = self.name, self.actual, self.shape, self.scan
+        if not self.same_shape:
+            return CheckResult(name, "numeric", False, math.inf, None,
+                               f"shape {tuple(a.shape)} != expected {shape}",
+                               {"shape": list(a.shape), "expected_shape": list(shape)})
+        n = math.prod(shape)
+        if n == 0:
+            return not_judged(name, "numeric", "empty tensor, nothing to compare", numel=0)
+        if s.nbad:
+            # 1. the non-finite positions (-inf, +inf, NaN) must be identical: an exact check
+            idx = _index(s.first_bad[0], shape)
+            av, ev = _element(a, idx), s.first_bad[1]
+            return CheckResult(
+                name, "numeric", False, math.inf, s.nbad,
+                f"{s.nbad} of {n} non-finite positions differ; first at {idx}: actual "
+                f"{av!r}, expected {ev!r}",
+                {"nonfinite_mismatches": s.nbad, "worst_index": idx, "numel": n})
+        # 2. error / bound over the finite positions; ill-conditioned elements are not judged
+        passed = s.over == 0
+        judged = not passed or s.n_ill < n
+        worst, i, ev, bv = s.worst_all if not passed or not judged else s.worst_judged
+        idx = _index(i, shape)
+        av = _element(a, idx)
+        ei = abs(av - ev) if math.isfinite(av) and math.isfinite(ev) else 0.0
+        extra = {"max_error": s.max_error, "worst_index": idx, "worst_error": ei,
+                 "worst_bound": bv, "numel": n, "ill_conditioned": s.n_ill}
+        if ev == 0.0 and not passed:    # the contract makes it exactly 0: say so, not a ratio
+            extra["expected_zero"] = True
+            zeros = "everywhere" if s.n_zero == n else f"at {s.n_zero} of {n} elements"
+            at = (f"expected exactly 0 {zeros}; actual {av!r} at {idx} (error {ei:.3g}, bound "
+                  f"{bv:.3g}: ratio {worst:.3g})")
+        else:
+            at = (f"ratio {worst:.3g} (error {ei:.3g} / bound {bv:.3g}) at {idx}: "
+                  f"actual {av!r}, expected {ev!r}")
+        # ill-conditioned elements over their bound fail the check: only the others are not
+        # judged
+        quiet = s.n_ill - s.n_ill_over
+        ill_txt = (f"; {quiet} of {n} elements not judged (ill-conditioned)" if quiet and judged
+                   else "")
+        if not judged:
+            return CheckResult(name, "numeric", True, worst, 0,
+                               f"not judged: all {n} elements ill-conditioned (bound >= "
+                               f"|expected|); largest {at}",
+                               {**extra, "not_judged": "ill-conditioned"}, judged=False)
+        detail = at + ("" if passed else f"; {s.over} of {n} elements over their bound") + ill_txt
+        return CheckResult(name, "numeric", passed, worst, s.over, detail, extra)
 
 
 _COMPARE_ELEMENTS = 1 << 24     # elements per chunk of a numeric comparison
@@ -309,15 +341,17 @@ class _NumericScan:
 
     def __init__(self):
         self.seen = 0                    # elements scanned so far: the next chunk's offset
-        self.nbad, self.first_bad = 0, None
+        self.nbad, self.first_bad = 0, None    # (flat index, expected value there)
         self.max_error = 0.0
         self.over = self.n_ill = self.n_ill_over = self.n_zero = 0
-        self.worst_all = (-math.inf, 0)
-        self.worst_judged = (-math.inf, 0)
+        self.worst_all = (-math.inf, 0, 0.0, 0.0)     # (ratio, flat index, expected, bound)
+        self.worst_judged = (-math.inf, 0, 0.0, 0.0)
 
     @staticmethod
-    def _better(cur, value, index):
-        return (value, index) if value > cur[0] else cur
+    def _better(cur, value, off, i, e64, b64):
+        if value > cur[0]:
+            return value, off + i, float(e64.reshape(-1)[i]), float(b64.reshape(-1)[i])
+        return cur
 
     def add(self, a64, e64, b64):
         """The next chunk in row-major order: float64 tensors of one shape."""
@@ -326,7 +360,8 @@ class _NumericScan:
         bad = (sa != se).reshape(-1)
         nbad = int(bad.sum())
         if nbad and self.first_bad is None:
-            self.first_bad = off + int(torch.nonzero(bad)[0])
+            i = int(torch.nonzero(bad)[0])
+            self.first_bad = (off + i, float(e64.reshape(-1)[i]))
         self.nbad += nbad
         fin = (se == 0).reshape(-1)
         err = torch.where(fin, (a64 - e64).abs().reshape(-1), 0.0)
@@ -338,10 +373,10 @@ class _NumericScan:
         self.n_zero += int((e64 == 0).sum())
         self.over += int((r > 1).sum())
         i = int(torch.argmax(r))
-        self.worst_all = self._better(self.worst_all, float(r[i]), off + i)
+        self.worst_all = self._better(self.worst_all, float(r[i]), off, i, e64, b64)
         rj = torch.where(ill, -1.0, r)
         i = int(torch.argmax(rj))
-        self.worst_judged = self._better(self.worst_judged, float(rj[i]), off + i)
+        self.worst_judged = self._better(self.worst_judged, float(rj[i]), off, i, e64, b64)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

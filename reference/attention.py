@@ -13,17 +13,19 @@ and ``docs/PERFORMANCE.md``).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from ._checks import as_float64, as_index, as_int, as_real, check_dim, head_dim
 from ._checks import chunk_rows as rows_per_chunk
 from ._pointwise import logaddexp, sigmoid
-from ._reduce import (_round_up, carve, fold_slot_rows_into, ordered_sum, row_bmm,
+from ._reduce import (_round_up, carve, fold_rows_into, fold_slot_rows_into, row_bmm,
                       row_bmm_buffer, row_extents, row_runs)
 from .constants import CHUNK_BYTES, SLOT_MULTIPLE
 
-__all__ = ["sparse_attention_forward", "sparse_attention_backward", "valid_slots"]
+__all__ = ["sparse_attention_forward", "sparse_attention_backward", "valid_slots",
+           "AttentionGradSums"]
 
 INF = math.inf
 
@@ -170,13 +172,38 @@ def sparse_attention_forward(q, kv, ids, sink, *, scale=None, v_dim=None, length
     return torch.cat(outs), torch.cat(lses)
 
 
+class AttentionGradSums(NamedTuple):
+    """The section 6 backward's sums over rows, as running left folds in (row, slot) order:
+    ``dkv [S + 1, D]`` (row ``S``: the fold's discard row for invalid slots) and
+    ``dsink [1, H]``. Handed to :func:`sparse_attention_backward` block of rows after block of
+    rows (in row order), they end with the bits of one call over all the rows."""
+
+    dkv: torch.Tensor
+    dsink: torch.Tensor
+
+    @classmethod
+    def zeros(cls, num_keys: int, dim: int, heads: int) -> "AttentionGradSums":
+        return cls(torch.zeros((num_keys + 1, dim), dtype=torch.float64),
+                   torch.zeros((1, heads), dtype=torch.float64))
+
+    def result(self) -> tuple:
+        """``(dkv [S, D], dsink [H])`` of the rows folded so far."""
+        return self.dkv[:-1], self.dsink[0]
+
+
 def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v_dim=None,
-                              lengths=None, chunk_rows=None):
+                              lengths=None, chunk_rows=None, sums=None):
     """Section 6 backward in closed form, from the forward's ``out`` and ``lse``.
 
     ``dS = P * (<dO, v> - Delta)``, ``Delta = <dO, out>``; returns float64 ``dq [T,H,D]``,
     ``dkv [S,D]`` and ``dsink [H]``. Rows with no valid slot contribute nothing. ``dkv`` and
     ``dsink`` are left folds in (row, slot) order.
+
+    ``sums`` (an :class:`AttentionGradSums`): the rows given are the next block of a longer
+    set of rows (``q``, ``ids``, ``out``, ``lse``, ``dout`` and ``lengths`` sliced alike): the
+    folds continue in ``sums`` (updated in place) and the ``dkv`` and ``dsink`` returned are
+    the running ones. Each row's ``dq`` depends only on that row, so the blocks' ``dq`` and the
+    final folds are bitwise those of one call (a judge that streams rows relies on it).
     """
     q, kv, ids, sink, scale, dv, lengths = _inputs(q, kv, ids, sink, scale, v_dim, lengths)
     ids = _pad_slots(ids)
@@ -199,7 +226,12 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
     table = _zero_row_table(kv)
     rows = torch.where(valid, ids, torch.full_like(ids, S))  # invalid slots: zero row / discard row
     dq = torch.empty_like(q)
-    dkv = torch.zeros((S + 1, D), dtype=torch.float64)       # row S: discard row of the fold
+    if sums is None:
+        sums = AttentionGradSums.zeros(S, D, H)
+    elif tuple(sums.dkv.shape) != (S + 1, D) or tuple(sums.dsink.shape) != (1, H):
+        raise ValueError(f"sums must hold dkv [{S + 1}, {D}] and dsink [1, {H}], got "
+                         f"{tuple(sums.dkv.shape)} and {tuple(sums.dsink.shape)}")
+    dkv = sums.dkv                                           # row S: discard row of the fold
     sink_terms = torch.empty((T, H), dtype=torch.float64)
     m_rows = min(step, T)
     kg_buf = torch.empty(m_rows * K * D, dtype=torch.float64)
@@ -237,4 +269,5 @@ def sparse_attention_backward(q, kv, ids, sink, out, lse, dout, *, scale=None, v
         # p_sink = exp(sink - logaddexp(lse, sink)) = sigmoid(sink - lse); 1 when sink = +inf.
         p_sink = sigmoid(sink.unsqueeze(0) - l).masked_fill(empty, 0.0)
         sink_terms[r0:r1] = -(p_sink * delta)
-    return dq, dkv[:S], ordered_sum(sink_terms)
+    fold_rows_into(sums.dsink, torch.zeros(T, dtype=torch.int64), sink_terms)
+    return (dq,) + sums.result()

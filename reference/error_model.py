@@ -51,6 +51,9 @@ from .indexer_loss import (LOG_SOFTMAX_TEACHER_FLOOR, IndexerLoss, _loss_grad_in
 from .layout import PackedLayout
 
 __all__ = [
+    "AttentionBoundSums",
+    "forward_bound_rows",
+    "backward_bound_rows",
     "Precision",
     "ORACLE_PRECISION",
     "attention_forward_bound",
@@ -308,7 +311,7 @@ def attention_forward_bound(q, kv, ids, sink, out, lse, *, precision, scale=None
     valid = valid_slots(ids, S, lengths)
     bound_out = torch.zeros_like(out)
     bound_lse = torch.zeros_like(lse)
-    step = rows_per_chunk(chunk_rows, 8 * K * (3 * D + 4 * H))
+    step = forward_bound_rows(q.shape, K, chunk_rows)
     padded, ws = _padded(kv), _Workspace()
     for r0 in range(0, T, step):
         c = _attention_chunk(q, padded, ids, valid, sink, lse, r0, min(r0 + step, T), scale, ws)
@@ -316,10 +319,12 @@ def attention_forward_bound(q, kv, ids, sink, out, lse, *, precision, scale=None
     return bound_out, bound_lse
 
 
-class _BackwardSums(NamedTuple):
-    """The section 6 backward bound's accumulators over the row chunks."""
+class AttentionBoundSums(NamedTuple):
+    """The section 6 backward bound's sums over rows (the key side: ``dkv`` and ``dsink``).
+    Handed to :func:`attention_backward_bound` block of rows after block of rows (in row
+    order, each block a whole number of its row chunks), they end with the bits of one call
+    over all the rows; :meth:`bounds` then gives ``bound_dkv`` and ``bound_dsink``."""
 
-    b_dq: torch.Tensor       # [T, H, D], written per chunk
     err_kv: torch.Tensor     # sum of propagated errors per kv row [S, D]
     mag_kv: torch.Tensor     # sum of |terms| per kv row [S, D]
     n_kv: torch.Tensor       # number of contributions per kv row [S, 1]
@@ -328,25 +333,34 @@ class _BackwardSums(NamedTuple):
     n_sink: torch.Tensor     # [H]
 
     @classmethod
-    def zeros(cls, dq, dkv) -> "_BackwardSums":
-        S, H = dkv.shape[0], dq.shape[1]
-        return cls(torch.zeros_like(dq), torch.zeros_like(dkv), torch.zeros_like(dkv),
-                   torch.zeros((S, 1), dtype=F64), torch.zeros(H, dtype=F64),
-                   torch.zeros(H, dtype=F64), torch.zeros(H, dtype=F64))
+    def zeros(cls, num_keys: int, dim: int, heads: int) -> "AttentionBoundSums":
+        kv = torch.zeros((num_keys, dim), dtype=F64)
+        return cls(kv, torch.zeros_like(kv), torch.zeros((num_keys, 1), dtype=F64),
+                   torch.zeros(heads, dtype=F64), torch.zeros(heads, dtype=F64),
+                   torch.zeros(heads, dtype=F64))
 
-    def bounds(self, u: _Units, dq, dkv, dsink):
-        """``(bound_dq, bound_dkv, bound_dsink)`` once every chunk is summed."""
-        b_dq = self.b_dq
-        b_dq += dq.abs().mul_(u.a + u.o).add_(u.eo)
+    def bounds(self, precision, dkv, dsink) -> tuple:
+        """``(bound_dkv, bound_dsink)`` once every row is in, for the oracle's ``dkv`` and
+        ``dsink`` (formulas: :func:`attention_backward_bound`)."""
+        u = _units(precision)
+        dkv, dsink = as_float64(dkv, "dkv", ndim=2), as_float64(dsink, "dsink", ndim=1)
+        _same_shape(dkv, "dkv", self.err_kv.shape)
+        _same_shape(dsink, "dsink", self.err_sink.shape)
         b_dkv = self.err_kv + u.a * self.n_kv * self.mag_kv + u.o * dkv.abs() + u.eo
         b_dsink = self.err_sink + u.a * self.n_sink * self.mag_sink + u.s * dsink.abs() + u.es
-        return b_dq, b_dkv, b_dsink
+        return b_dkv, b_dsink
+
+
+def _dq_bound_final(b_dq, dq, u: _Units) -> torch.Tensor:
+    """``bound_dq``'s last terms, ``(u_a + u_o) |dq| + eta_o``, added in place."""
+    b_dq += dq.abs().mul_(u.a + u.o).add_(u.eo)
+    return b_dq
 
 
 def _backward_rows(ch: _AttentionChunk, u: _Units, ids, sink, sc, dv, out, dout, out_error,
-                   acc: _BackwardSums, ws: _Workspace):
+                   b_dq, acc: AttentionBoundSums, ws: _Workspace):
     """Section 12 backward bound of the chunk's rows (formulas:
-    :func:`attention_backward_bound`): ``bound_dq`` rows into ``acc.b_dq``, the ``dkv`` and
+    :func:`attention_backward_bound`): ``bound_dq`` rows into ``b_dq``, the ``dkv`` and
     ``dsink`` terms added to ``acc``. Overwrites the workspace buffers ``kg`` and ``kabs``."""
     r0, r1 = ch.r0, ch.r1
     n, K, D = ch.kg.shape
@@ -371,7 +385,7 @@ def _backward_rows(ch: _AttentionChunk, u: _Units, ids, sink, sc, dv, out, dout,
     e_delta = torch.zeros_like(delta) if out_error is None else \
         (doa * out_error[r0:r1]).sum(dim=-1).masked_fill(empty, 0.0)             # [n, H]
     e_ds.add_(torch.mul(p, e_delta.unsqueeze(-1), out=pd)).masked_fill_(empty.unsqueeze(-1), 0.0)
-    acc.b_dq[r0:r1] = sc * torch.bmm(e_ds, kabs) + (nv * u.a).unsqueeze(-1) * sc * torch.bmm(ds, kabs)
+    b_dq[r0:r1] = sc * torch.bmm(e_ds, kabs) + (nv * u.a).unsqueeze(-1) * sc * torch.bmm(ds, kabs)
     # [n, K, D] in the workspace: the gathered keys' buffer takes the P |dO| products
     e_ds = torch.mul(ds, u.a, out=pd).add_(e_ds)                                # E_dS + u_a |dS|
     err = torch.bmm(e_ds.transpose(1, 2), qa, out=ws.take("err", n, K, D))
@@ -398,7 +412,7 @@ def _backward_rows(ch: _AttentionChunk, u: _Units, ids, sink, sc, dv, out, dout,
 
 def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *, precision,
                              scale=None, v_dim=None, lengths=None, chunk_rows=None,
-                             out_error=None):
+                             out_error=None, sums=None):
     """Section 12 bound for the section 6 backward: ``(bound_dq [T,H,D], bound_dkv [S,D],
     bound_dsink [H])``.
 
@@ -421,6 +435,13 @@ def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *
     oracle's), a bound on that ``out`` minus ``out``. With ``e_Delta = |dO|.out_error`` it adds
     ``P_j e_Delta`` to ``E_dS_j`` (hence to ``dq`` and ``dkv``) and ``sum_t p_sink e_Delta`` to
     ``bound_dsink``.
+
+    ``sums`` (an :class:`AttentionBoundSums`): the rows given are the next block of a longer
+    set of rows (every row-side argument sliced alike, the block a whole number of chunks of
+    ``chunk_rows`` rows): the key-side sums continue in ``sums`` (updated in place), ``dkv``
+    and ``dsink`` are not read (``None`` allowed) and the result is ``(bound_dq, None, None)``;
+    ``sums.bounds(precision, dkv, dsink)`` gives the other two once every block is in, bitwise
+    those of one call (a judge that streams rows relies on it).
     """
     u = _units(precision)
     q, kv, ids, sink, scale, dv, lengths, out, lse, dout, dq, dkv, dsink, out_error = \
@@ -429,13 +450,35 @@ def attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *
     T, H, D = q.shape
     S, K = kv.shape[0], ids.shape[1]
     valid = valid_slots(ids, S, lengths)
-    acc = _BackwardSums.zeros(dq, dkv)
-    step = rows_per_chunk(chunk_rows, 8 * K * (6 * D + 8 * H))
+    acc = AttentionBoundSums.zeros(S, D, H) if sums is None else sums
+    if tuple(acc.err_kv.shape) != (S, D) or tuple(acc.err_sink.shape) != (H,):
+        raise ValueError(f"sums must hold [{S}, {D}] key rows and {H} heads, got "
+                         f"{tuple(acc.err_kv.shape)} and {tuple(acc.err_sink.shape)}")
+    b_dq = torch.zeros_like(dq)
+    step = backward_bound_rows(q.shape, K, chunk_rows)
     padded, ws = _padded(kv), _Workspace()
     for r0 in range(0, T, step):
         c = _attention_chunk(q, padded, ids, valid, sink, lse, r0, min(r0 + step, T), scale, ws)
-        _backward_rows(c, u, ids, sink, abs(scale), dv, out, dout, out_error, acc, ws)
-    return acc.bounds(u, dq, dkv, dsink)
+        _backward_rows(c, u, ids, sink, abs(scale), dv, out, dout, out_error, b_dq, acc, ws)
+    _dq_bound_final(b_dq, dq, u)
+    if sums is not None:
+        return b_dq, None, None
+    return (b_dq,) + acc.bounds(precision, dkv, dsink)
+
+
+def forward_bound_rows(q_shape, width: int, chunk_rows=None) -> int:
+    """Rows per chunk of :func:`attention_forward_bound` (``q [T, H, D]``, ``width`` slots)."""
+    _, H, D = q_shape
+    return rows_per_chunk(chunk_rows, 8 * width * (3 * D + 4 * H))
+
+
+def backward_bound_rows(q_shape, width: int, chunk_rows=None) -> int:
+    """Rows per chunk of :func:`attention_backward_bound` and :func:`attention_bounds`."""
+    _, H, D = q_shape
+    return rows_per_chunk(chunk_rows, 8 * width * (6 * D + 8 * H))
+
+
+
 
 
 def _backward_inputs(q, kv, ids, sink, scale, v_dim, lengths, out, lse, dout, dq, dkv, dsink,
@@ -447,15 +490,16 @@ def _backward_inputs(q, kv, ids, sink, scale, v_dim, lengths, out, lse, dout, dq
     lse = as_float64(lse, "lse", ndim=2)
     dout = as_float64(dout, "dout", ndim=3)
     dq = as_float64(dq, "dq", ndim=3)
-    dkv = as_float64(dkv, "dkv", ndim=2)
-    dsink = as_float64(dsink, "dsink", ndim=1)
+    dkv = None if dkv is None else as_float64(dkv, "dkv", ndim=2)
+    dsink = None if dsink is None else as_float64(dsink, "dsink", ndim=1)
     if out_error is not None:
         out_error = as_float64(out_error, "out_error", ndim=3)
         _same_shape(out_error, "out_error", (T, H, dv))
     for name, t, shape in (("out", out, (T, H, dv)), ("lse", lse, (T, H)),
                            ("dout", dout, (T, H, dv)), ("dq", dq, (T, H, D)),
                            ("dkv", dkv, (S, D)), ("dsink", dsink, (H,))):
-        _same_shape(t, name, shape)
+        if t is not None:
+            _same_shape(t, name, shape)
     return q, kv, ids, sink, scale, dv, lengths, out, lse, dout, dq, dkv, dsink, out_error
 
 
@@ -478,7 +522,7 @@ def attention_bounds(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *, precis
         q, kv, ids, sink, scale, v_dim, lengths, out, lse, dout, dq, dkv, dsink, None)
     T, H, D = q.shape
     S, K = kv.shape[0], ids.shape[1]
-    step = rows_per_chunk(chunk_rows, 8 * K * (6 * D + 8 * H))
+    step = backward_bound_rows(q.shape, K, chunk_rows)
     if T > step and (H % 16 or K % 8 or D % 8 or dv % 8):
         kw = dict(precision=precision, scale=scale, v_dim=dv, lengths=lengths)
         return attention_forward_bound(q, kv, ids, sink, out, lse, chunk_rows=chunk_rows, **kw) \
@@ -486,13 +530,14 @@ def attention_bounds(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *, precis
                                        chunk_rows=chunk_rows, **kw)
     valid = valid_slots(ids, S, lengths)
     bound_out, bound_lse = torch.zeros_like(out), torch.zeros_like(lse)
-    acc = _BackwardSums.zeros(dq, dkv)
+    acc, b_dq = AttentionBoundSums.zeros(S, D, H), torch.zeros_like(dq)
     padded, ws = _padded(kv), _Workspace()
     for r0 in range(0, T, step):
         c = _attention_chunk(q, padded, ids, valid, sink, lse, r0, min(r0 + step, T), scale, ws)
         _forward_rows(c, u, sink, out, D, dv, True, bound_out, bound_lse)   # reads kabs
-        _backward_rows(c, u, ids, sink, abs(scale), dv, out, dout, None, acc, ws)
-    return (bound_out, bound_lse) + acc.bounds(u, dq, dkv, dsink)
+        _backward_rows(c, u, ids, sink, abs(scale), dv, out, dout, None, b_dq, acc, ws)
+    return (bound_out, bound_lse, _dq_bound_final(b_dq, dq, u)) + acc.bounds(precision, dkv,
+                                                                              dsink)
 
 
 # ---------------------------------------------------------------------------------------------

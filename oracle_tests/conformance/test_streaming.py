@@ -1,0 +1,103 @@
+"""The streaming judge (``conformance.Streaming``): the attention stages judged block of rows by
+block of rows give every field of every check of the whole-tensor judge.
+
+Catalog cases are small, so their bounds use one row chunk and the judge one block; here the
+bounds' chunks (``bound_rows``) and the blocks (``block_rows``) are made a few rows long, so
+that every case crosses many blocks, and the streamed judge is compared with the whole judge
+on the same bound chunks, field by field: for an implementation that passes under the "given"
+convention, for one measured "recomputed" (its backward recomputes the forward), and for one
+that fails (a flipped ``dq``: re-judged whole for its hints), at the op and the layer level.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import pytest
+import torch
+
+from dsv4_oracle import conformance as K
+from dsv4_oracle import fixtures
+from dsv4_oracle.adapters import LAYER_OP, Adapter, load_adapter
+from dsv4_oracle.autograd_adapter import from_autograd
+from dsv4_oracle.examples.megatron_style_adapter import MegatronStyleAdapter
+from dsv4_oracle.runner import level_precision
+from oracle_tests.helpers.check_adapters import SignFlipAdapter
+
+WHOLE = K.Streaming(enabled=False, bound_rows=2)
+STREAMED = K.Streaming(block_rows=3, bound_rows=2)     # blocks of 4 rows: 2 chunks each
+
+
+def _adapters():
+    return {"torch": load_adapter("gpu_impl:torch", "cpu"),
+            "recomputing": Adapter(from_autograd(MegatronStyleAdapter().sparse_attention_forward),
+                                   name="recomputing", device="cpu"),
+            "sign-flip": load_adapter(f"{SignFlipAdapter.__module__}:SignFlipAdapter", "cpu")}
+
+
+def _fields(c) -> dict:
+    d = dataclasses.asdict(c)
+    return {k: (repr(v) if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
+
+
+def _judged(adapter, case, x, streaming) -> list:
+    """Every check of both levels of ``case`` under ``streaming`` (one cache, as the runner)."""
+    cache, maps, out = {}, {}, []
+    run = K.run_ops(adapter, case, x, policies=adapter.policies, probe=True)
+    out += K.judge(case, x, run.got, consumed=run.consumed, cache=cache, maps=maps,
+                   precision=level_precision(adapter, case.torch_dtype, "op"),
+                   policies=adapter.policies, streaming=streaming)
+    if adapter.has(LAYER_OP) and K.layer_applies(case):
+        run = K.run_layer(adapter, case, x)
+        out += K.judge(case, x, run.got, consumed=run.consumed, cache=cache,
+                       precision=level_precision(adapter, case.torch_dtype, "layer"),
+                       policies=adapter.policies, streaming=streaming)
+    return [_fields(c) for c in out], {k: v.clone() for k, v in maps.items()}
+
+
+CASES = [c for c in fixtures.catalog() if c.T > 4 * 4]
+# In the CPU lane: every other case up to 64 rows with the torch backend, every sixth with the
+# other two; DSV4_STREAMING_ALL=1 takes every case above 16 rows (up to 4200) with all three.
+ALL = os.environ.get("DSV4_STREAMING_ALL") == "1"
+PAIRS = [(c, n) for i, c in enumerate(CASES) for n in ("torch", "recomputing", "sign-flip")
+         if ALL or (c.T <= 64 and i % (2 if n == "torch" else 6) == 0)]
+
+
+@pytest.mark.parametrize("case,name", PAIRS, ids=lambda v: getattr(v, "id", v))
+def test_streamed_judge_is_the_whole_judge(case, name):
+    adapter = _adapters()[name]
+    x = case.materialize(device="cpu")
+    whole, maps_w = _judged(adapter, case, x, WHOLE)
+    streamed, maps_s = _judged(adapter, case, x, STREAMED)
+    assert streamed == whole
+    assert maps_s.keys() == maps_w.keys()
+    assert all(torch.equal(maps_s[k], maps_w[k]) for k in maps_w)
+
+
+def test_the_three_implementations_take_the_three_paths():
+    """The comparison above covers a measured "recomputed" backward and a failing one."""
+    case = next(c for c in CASES if c.id == "lengths-above-width")
+    x = case.materialize(device="cpu")
+    checks = {n: _judged(a, case, x, STREAMED)[0] for n, a in _adapters().items()}
+    conv = {n: {c["extra"].get("convention") for c in v} - {None} for n, v in checks.items()}
+    assert conv["torch"] == {"given"} and conv["recomputing"] == {"recomputed"}
+    assert all(c["passed"] for c in checks["torch"] + checks["recomputing"])
+    assert not all(c["passed"] for c in checks["sign-flip"])
+
+
+def test_the_blocks_are_whole_bound_chunks_and_cover_the_rows():
+    case = next(c for c in CASES if c.T >= 40)
+    x = case.materialize(device="cpu")
+    adapter = _adapters()["torch"]
+    run = K.run_ops(adapter, case, x)
+    j = K._Judging(case, x, run.got, run.consumed, level_precision(adapter, case.torch_dtype,
+                                                                   "op"), {}, None,
+                   streaming=K.Streaming(block_rows=5, bound_rows=3))
+    blocks = K._blocks(j, K._STAGE["sparse_attention_backward"])
+    assert blocks and all((b.stop - b.start) % 3 == 0 for b in blocks[:-1])
+    assert blocks[0].start == 0 and blocks[-1].stop == case.T
+    assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:]))
+    j = K._Judging(case, x, run.got, run.consumed, level_precision(adapter, case.torch_dtype,
+                                                                   "op"), {}, None)
+    assert K._blocks(j, K._STAGE["sparse_attention_backward"]) is None   # one block: whole
