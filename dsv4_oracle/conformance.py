@@ -959,8 +959,16 @@ class _Judging:
 
 def _judge_scores(j: _Judging, st: Stage) -> list:
     """Section 7: the scores against the oracle on the case's indexer inputs."""
-    s_o, b = _scores_and_bound(j)
-    return [j.numeric("scores", s_o, b)]
+    blocks = _score_blocks(j)
+    if blocks is None:
+        s_o, b = _scores_and_bound(j)
+        return [j.numeric("scores", s_o, b)]
+    T, C = j.read("q_idx").shape[0], j.read("k_idx").shape[0]
+    cmp = NumericComparison("scores", j.got["scores"], (T, C))
+    with j.comparing():
+        for r, s_o, b in _scores_by_block(j, blocks):
+            cmp.add(r, s_o, b)
+    return [_tagged(cmp.result(), "scores")]
 
 
 def _scores_and_bound(j: _Judging) -> tuple:
@@ -970,10 +978,59 @@ def _scores_and_bound(j: _Judging) -> tuple:
     s_o = j.oracle(st)
     p = j.prec(st.op)
     kw = j.kw(st)
-    b = j.memo(("bound", st.op, p, _kw_key(kw)), lambda: EM.indexer_scores_bound(
-        v["q_idx"], v["k_idx"], v["weights"], j.olay, j.case.ratio, s_o, precision=p, **kw),
-        v["q_idx"], v["k_idx"], v["weights"])
+    rows = j.streaming.bound_rows
+    b = j.memo(("bound", st.op, p, _kw_key(kw), rows), lambda: EM.indexer_scores_bound(
+        v["q_idx"], v["k_idx"], v["weights"], j.olay, j.case.ratio, s_o, precision=p,
+        chunk_rows=rows, **kw), v["q_idx"], v["k_idx"], v["weights"])
     return s_o, b
+
+
+def _score_blocks(j: _Judging):
+    """The row blocks (slices) in which the indexer scores are judged, or ``None`` (whole): about
+    ``STREAM_BYTES`` of float64 ``[rows, C]`` each, every edge inside a document's real rows on
+    the chunk grid of the scores' bound there (:func:`reference.error_model.indexer_bound_rows`),
+    so that the blocks' bounds are bitwise the rows of the whole one."""
+    if j.whole or j.record is not None or not j.streaming.enabled:
+        return None
+    q, k = j.read("q_idx"), j.read("k_idx")
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or not isinstance(k, torch.Tensor):
+        return None
+    T, HI, C = q.shape[0], q.shape[1], k.shape[0]
+    want = j.streaming.block_rows or max(1, STREAM_BYTES // max(1, 8 * C))
+    if want >= T:
+        return None
+    lay, ratio, br = j.olay, j.case.ratio, j.streaming.bound_rows
+    cu_pad, cu_comp = lay.cu_seqlens_padded, lay.compressed_offsets(ratio)
+    grids = []                                  # (first real row, end of real rows, chunk rows)
+    for d in range(lay.num_docs):
+        r0, real = int(cu_pad[d]), int(lay.doc_lengths[d])
+        groups = int(cu_comp[d + 1]) - int(cu_comp[d])
+        if real and groups:
+            grids.append((r0, r0 + real, EM.indexer_bound_rows(HI, groups, br)))
+    edges, x = [0], 0
+    while x < T:
+        y = min(x + want, T)
+        for r0, r1, step in grids:
+            if r0 < y < r1:                     # on the document's chunk grid, past x
+                y = r0 + (y - r0) // step * step
+                if y <= x:
+                    y = min(r0 + ((x - r0) // step + 1) * step, r1)
+                break
+        edges.append(y)
+        x = y
+    return [slice(a, b) for a, b in zip(edges, edges[1:])]
+
+
+def _scores_by_block(j: _Judging, blocks):
+    """Per block ``(rows, scores, bound)``: the oracle's scores on the case's indexer inputs and
+    their bound, on the oracle device (inside ``j.comparing()``)."""
+    st = _PRODUCER["scores"]
+    v, p, kw = j.reads(st), j.prec(st.op), j.kw(st)
+    args = (v["q_idx"], v["k_idx"], v["weights"], j.olay, j.case.ratio)
+    for r in blocks:
+        s_o = R.indexer_scores(*args, rows=(r.start, r.stop), **kw)
+        yield r, s_o, EM.indexer_scores_bound(*args, s_o, precision=p, rows=(r.start, r.stop),
+                                              chunk_rows=j.streaming.bound_rows, **kw)
 
 
 def _judge_topk(j: _Judging, st: Stage) -> list:
@@ -989,9 +1046,20 @@ def _judge_topk(j: _Judging, st: Stage) -> list:
                                 scores=j.read("scores") if ties == "any" else None),
                    "cmp_ids")]
     if "scores" in got and case.topk >= 1:
-        s_o, b_s = _scores_and_bound(j)
-        o_ids, o_len = j.oracle(st, scores=s_o)
-        ties = near_tie_rows(s_o, case.topk, bound=b_s)
+        blocks = _score_blocks(j)
+        if blocks is None:
+            s_o, b_s = _scores_and_bound(j)
+            o_ids, o_len = j.oracle(st, scores=s_o)
+            ties = near_tie_rows(s_o, case.topk, bound=b_s)
+        else:                            # each row's Top-K and near tie are its own
+            parts = []
+            with j.comparing():
+                for _, s_o, b_s in _scores_by_block(j, blocks):
+                    args, kw = st.call(case, j.olay, {"scores": s_o})
+                    kw.update(j.kw(st))
+                    parts.append(to_cpu(getattr(R, st.op)(*args, **kw))
+                                 + (near_tie_rows(s_o, case.topk, bound=b_s),))
+            o_ids, o_len, ties = (torch.cat(t) for t in zip(*parts))
         out.append(_tagged(compare_topk(got["cmp_ids"], got["cmp_lengths"], o_ids, o_len,
                                         near_tie_rows=ties, name="cmp_ids (oracle scores, sets)"),
                            "cmp_ids"))
@@ -1615,14 +1683,17 @@ def _not_judged_stage(j: _Judging, st: Stage, reason: str) -> list:
             if q in j.got]
 
 
-_ATTENTION = ("sparse_attention_forward", "sparse_attention_backward")
+_STREAMED = ("indexer_scores", "stable_topk", "sparse_attention_forward",
+             "sparse_attention_backward")
 
 
-def _whole_fits(j: _Judging) -> bool:
-    """Whether the whole-tensor judge of an attention stage fits ``WHOLE_BYTES``: about six
-    float64 ``[T, H, D]`` tensors (oracle outputs and bounds of two expectations)."""
-    q = j.read("q")
-    return 6 * 8 * q.numel() <= WHOLE_BYTES
+def _whole_fits(j: _Judging, st: Stage) -> bool:
+    """Whether the whole-tensor judge of a streamed stage fits ``WHOLE_BYTES``: about six
+    float64 ``[T, H, D]`` tensors (oracle outputs and bounds of two expectations) or four
+    ``[T, C]`` ones (the scores, their bound, and the sort of near ties)."""
+    if st.op in _STREAMED[:2]:
+        return 8 * 4 * j.read("q_idx").shape[0] * j.read("k_idx").shape[0] <= WHOLE_BYTES
+    return 8 * 6 * j.read("q").numel() <= WHOLE_BYTES
 
 
 def _judge_stage(j: _Judging, st: Stage, pinned: str | None) -> list:
@@ -1640,8 +1711,8 @@ def _judge_stage(j: _Judging, st: Stage, pinned: str | None) -> list:
     try:
         checks = _judge_backward(j, st, pinned) if st.op == "sparse_attention_backward" \
             else st.judge(j, st)
-        if st.op in _ATTENTION and not all(c.passed for c in checks) \
-                and _blocks(j, st) is not None and _whole_fits(j):
+        if st.op in _STREAMED and not all(c.passed for c in checks) and _whole_fits(j, st) \
+                and (_score_blocks(j) if st.op in _STREAMED[:2] else _blocks(j, st)) is not None:
             j.whole = True               # the hints of a failed check read whole tensors
             try:
                 checks = _judge_backward(j, st, pinned) \

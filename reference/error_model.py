@@ -45,6 +45,7 @@ from ._checks import chunk_rows as rows_per_chunk
 from .attention import _inputs as _attention_inputs
 from .attention import valid_slots
 from .indexer import _inputs as _indexer_inputs
+from .indexer import row_range as _row_range
 from .constants import COMPRESSOR_EPS, GRAD_FLOOR, LOSS_FLOOR, QNORM_EPS
 from .indexer_loss import (LOG_SOFTMAX_TEACHER_FLOOR, IndexerLoss, _loss_grad_inputs,
                            _loss_grad_options, _loss_inputs, _row_gs, head_normalisers, teacher_rows)
@@ -54,6 +55,7 @@ __all__ = [
     "AttentionBoundSums",
     "forward_bound_rows",
     "backward_bound_rows",
+    "indexer_bound_rows",
     "Precision",
     "ORACLE_PRECISION",
     "attention_forward_bound",
@@ -544,8 +546,14 @@ def attention_bounds(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink, *, precis
 # Section 7: lightning indexer scores
 # ---------------------------------------------------------------------------------------------
 
+def indexer_bound_rows(heads: int, groups: int, chunk_rows=None) -> int:
+    """Rows per chunk of :func:`indexer_scores_bound` in a document of ``groups`` groups
+    (``heads`` indexer heads); the chunks of a document start at its first row."""
+    return rows_per_chunk(chunk_rows, heads * groups * 8 * 4)
+
+
 def indexer_scores_bound(q_idx, k_idx, weights, layout, ratio, scores, *, precision, scale=None,
-                         chunk_rows=None):
+                         chunk_rows=None, rows=None):
     """Section 12 bound for the section 7 scores ``I [T, C]`` (``scores`` = the oracle's
     :func:`indexer_scores` on the same inputs).
 
@@ -554,15 +562,20 @@ def indexer_scores_bound(q_idx, k_idx, weights, layout, ratio, scores, *, precis
     + u_a H_I |scale| sum_h |w_h| relu(z_h) + (u_a + u_s) |I| + eta_s`` on visible entries
     (``relu(z)`` may be rounded to ``io`` as a tensor-core operand of the head reduction);
     0 on invisible entries, which must be exactly ``-inf``.
+
+    ``rows=(a, b)``: the bound of the rows ``a:b`` only (``scores`` is then ``[b - a, C]``),
+    bitwise those rows of the whole bound when no chunk of :func:`indexer_bound_rows` rows
+    crosses ``a`` or ``b`` (a judge that streams rows places its blocks so).
     """
     u = _units(precision)
     q, k, w, ratio, scale = _indexer_inputs(q_idx, k_idx, weights, layout, ratio, scale)
     T, HI, DI = q.shape
     C = k.shape[0]
+    a, stop = _row_range(rows, T)
     scores = as_float64(scores, "scores", ndim=2)
-    _same_shape(scores, "scores", (T, C))
+    _same_shape(scores, "scores", (stop - a, C))
     sc = abs(scale)
-    bound = torch.zeros((T, C), dtype=F64)
+    bound = torch.zeros((stop - a, C), dtype=F64)
     cu_pad = layout.cu_seqlens_padded
     cu_comp = layout.compressed_offsets(ratio)
     vis = layout.visible_compressed(ratio)
@@ -572,19 +585,22 @@ def indexer_scores_bound(q_idx, k_idx, weights, layout, ratio, scores, *, precis
         if real == 0 or c1 == c0:
             continue
         kb = k[c0:c1].t()
-        step = rows_per_chunk(chunk_rows, HI * (c1 - c0) * 8 * 4)
+        step = indexer_bound_rows(HI, c1 - c0, chunk_rows)
         for s0 in range(r0, r0 + real, step):
-            s1 = min(s0 + step, r0 + real)
+            s0, s1 = max(s0, a), min(s0 + step, r0 + real, stop)
+            if s1 <= s0:
+                continue
             z = torch.matmul(q[s0:s1], kb)                                 # [n, H_I, n_b]
             zeta = torch.matmul(q[s0:s1].abs(), kb.abs())
             wa = w[s0:s1].abs().unsqueeze(1)                               # [n, 1, H_I]
             relu = torch.relu(z)
             per = torch.bmm(wa, u.a * DI * zeta + (u.a + u.o) * relu).squeeze(1)
             mag = torch.bmm(wa, relu).squeeze(1)
-            bd = sc * per + u.a * HI * sc * mag + (u.a + u.s) * scores[s0:s1, c0:c1].abs() + u.es
+            bd = sc * per + u.a * HI * sc * mag \
+                + (u.a + u.s) * scores[s0 - a:s1 - a, c0:c1].abs() + u.es
             cols = torch.arange(c1 - c0).unsqueeze(0)
             visible = cols < vis[s0:s1].unsqueeze(1)
-            bound[s0:s1, c0:c1] = torch.where(visible, bd, torch.zeros_like(bd))
+            bound[s0 - a:s1 - a, c0:c1] = torch.where(visible, bd, torch.zeros_like(bd))
     return bound
 
 

@@ -101,3 +101,79 @@ def test_the_blocks_are_whole_bound_chunks_and_cover_the_rows():
     j = K._Judging(case, x, run.got, run.consumed, level_precision(adapter, case.torch_dtype,
                                                                    "op"), {}, None)
     assert K._blocks(j, K._STAGE["sparse_attention_backward"]) is None   # one block: whole
+
+
+def test_score_blocks_sit_on_the_bound_chunks_of_every_document():
+    case = next(c for c in CASES if "dsa_v32" in c.categories and c.T >= 40)
+    x = case.materialize(device="cpu")
+    adapter = _adapters()["torch"]
+    run = K.run_ops(adapter, case, x)
+    j = K._Judging(case, x, run.got, run.consumed, level_precision(adapter, case.torch_dtype,
+                                                                   "op"), {}, None,
+                   streaming=K.Streaming(block_rows=5, bound_rows=3))
+    blocks = K._score_blocks(j)
+    assert len(blocks) > 2 and blocks[0].start == 0 and blocks[-1].stop == case.T
+    assert all(a.stop == b.start and a.start < a.stop for a, b in zip(blocks, blocks[1:]))
+    lay = j.olay
+    for d in range(lay.num_docs):
+        r0, real = int(lay.cu_seqlens_padded[d]), int(lay.doc_lengths[d])
+        inside = [b.start for b in blocks if r0 < b.start < r0 + real]
+        assert all((e - r0) % 3 == 0 for e in inside)
+
+
+def _attention_inputs(T=37, H=16, D=64, S=50, K=24):
+    g = torch.Generator().manual_seed(0)
+    f = dict(generator=g, dtype=torch.float64)
+    q, kv = torch.randn(T, H, D, **f), torch.randn(S, D, **f)
+    ids = torch.randint(-3, S, (T, K), generator=g)
+    sink, dout = torch.randn(H, **f), torch.randn(T, H, D, **f)
+    lengths = torch.randint(0, K + 1, (T,), generator=g)
+    return q, kv, ids, sink, dout, lengths
+
+
+def test_attention_folds_in_row_blocks_are_the_whole_backward_bitwise():
+    from dsv4_oracle import reference as R
+    from dsv4_oracle.reference import error_model as EM
+    from dsv4_oracle.reference.attention import AttentionGradSums
+    q, kv, ids, sink, dout, lengths = _attention_inputs()
+    T, H, D = q.shape
+    S = kv.shape[0]
+    out, lse = R.sparse_attention_forward(q, kv, ids, sink, lengths=lengths)
+    dq, dkv, dsink = R.sparse_attention_backward(q, kv, ids, sink, out, lse, dout,
+                                                 lengths=lengths)
+    p = EM.Precision.of(torch.bfloat16)
+    whole = EM.attention_backward_bound(q, kv, ids, sink, out, lse, dout, dq, dkv, dsink,
+                                        precision=p, lengths=lengths, chunk_rows=3)
+    sums, bsums = AttentionGradSums.zeros(S, D, H), EM.AttentionBoundSums.zeros(S, D, H)
+    parts, bparts = [], []
+    for r0 in range(0, T, 6):
+        r = slice(r0, min(r0 + 6, T))
+        parts.append(R.sparse_attention_backward(q[r], kv, ids[r], sink, out[r], lse[r], dout[r],
+                                                 lengths=lengths[r], sums=sums)[0])
+        bparts.append(EM.attention_backward_bound(
+            q[r], kv, ids[r], sink, out[r], lse[r], dout[r], dq[r], None, None, precision=p,
+            lengths=lengths[r], chunk_rows=3, sums=bsums)[0])
+    assert torch.equal(torch.cat(parts), dq)
+    assert all(torch.equal(a, b) for a, b in zip(sums.result(), (dkv, dsink)))
+    assert torch.equal(torch.cat(bparts), whole[0])
+    assert all(torch.equal(a, b) for a, b in zip(bsums.bounds(p, dkv, dsink), whole[1:]))
+    with pytest.raises(ValueError, match="sums must hold"):
+        R.sparse_attention_backward(q, kv, ids, sink, out, lse, dout,
+                                    sums=AttentionGradSums.zeros(S + 1, D, H))
+
+
+def test_indexer_scores_and_bound_of_a_row_range_are_those_rows_bitwise():
+    from dsv4_oracle import reference as R
+    from dsv4_oracle.reference import error_model as EM
+    case = next(c for c in CASES if "dsa_v32" in c.categories and c.T >= 40)
+    x = case.materialize(device="cpu")
+    args = (x["q_idx"], x["k_idx"], x["weights"], case.layout(), case.ratio)
+    p = EM.Precision.of(torch.bfloat16)
+    s = R.indexer_scores(*args)
+    b = EM.indexer_scores_bound(*args, s, precision=p, chunk_rows=1)
+    for a, z in ((0, 5), (5, 6), (7, case.T)):
+        assert torch.equal(R.indexer_scores(*args, rows=(a, z)), s[a:z])
+        assert torch.equal(EM.indexer_scores_bound(*args, s[a:z], precision=p, chunk_rows=1,
+                                                   rows=(a, z)), b[a:z])
+    with pytest.raises(ValueError, match="rows must satisfy"):
+        R.indexer_scores(*args, rows=(3, 2))
