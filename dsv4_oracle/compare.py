@@ -775,24 +775,40 @@ def check_grad_mode_parity(fn, *, name: str = "grad_modes") -> CheckResult:
 _HASH_CHUNK = 1 << 26      # bytes per sha256 leaf of content_hash (64 MiB)
 
 
-def content_hash(t: torch.Tensor) -> str:
+def content_hash(t: torch.Tensor, *, piecewise: bool | None = None) -> str:
     """A sha256 fingerprint of dtype, shape and the bytes of the values in logical (row-major)
     order: the sha256 of the header and the sha256 digests of consecutive 64 MiB pieces of the
     bytes (a two-level tree; one piece for tensors up to 64 MiB). The pieces are hashed in
     parallel threads, straight from the tensor's memory (``hashlib`` releases the GIL), so a
-    production-size tensor costs its bytes over the machine's cores, not one core. The value is
-    an in-memory fingerprint (replays, no-mutation checks, cache keys), never stored."""
-    x = t.detach().to("cpu").contiguous()
+    production-size tensor costs its bytes over the machine's cores, not one core. A tensor on
+    another device (a GPU) is brought to the host one piece at a time (``piecewise``, the
+    default off the CPU): the host holds a few pieces, never a copy of the whole tensor; the
+    value is the same. The value is an in-memory fingerprint (replays, no-mutation checks,
+    cache keys), never stored."""
+    x = t.detach()
+    if piecewise is None:
+        piecewise = x.device.type != "cpu"
+    x = x.contiguous() if piecewise else x.to("cpu").contiguous()
     h = hashlib.sha256(f"{x.dtype}|{tuple(x.shape)}|".encode())
     if x.numel():
-        buf = memoryview(x.reshape(-1).view(torch.uint8).numpy())
-        pieces = [buf[i:i + _HASH_CHUNK] for i in range(0, len(buf), _HASH_CHUNK)]
-        if len(pieces) == 1:
+        flat = x.reshape(-1).view(torch.uint8)
+        if piecewise:
+            pieces = [(i, min(i + _HASH_CHUNK, flat.numel()))
+                      for i in range(0, flat.numel(), _HASH_CHUNK)]
+            digest = lambda r: hashlib.sha256(  # noqa: E731
+                flat[r[0]:r[1]].to("cpu").numpy()).digest()
+        else:
+            buf = memoryview(flat.numpy())
+            pieces = [buf[i:i + _HASH_CHUNK] for i in range(0, len(buf), _HASH_CHUNK)]
+            digest = lambda b: hashlib.sha256(b).digest()  # noqa: E731
+        if len(pieces) == 1 and not piecewise:
             h.update(pieces[0])
+        elif len(pieces) == 1:
+            h.update(flat.to("cpu").numpy())
         else:
             workers = min(len(pieces), os.cpu_count() or 1)
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                for d in pool.map(lambda b: hashlib.sha256(b).digest(), pieces):
+                for d in pool.map(digest, pieces):
                     h.update(d)
     return h.hexdigest()
 

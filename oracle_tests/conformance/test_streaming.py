@@ -177,3 +177,14 @@ def test_indexer_scores_and_bound_of_a_row_range_are_those_rows_bitwise():
                                                    rows=(a, z)), b[a:z])
     with pytest.raises(ValueError, match="rows must satisfy"):
         R.indexer_scores(*args, rows=(3, 2))
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (1 << 24,), (5, 1 << 22)])
+def test_content_hash_piece_by_piece_is_the_same_value(shape, monkeypatch):
+    """Off the CPU a tensor is hashed one piece at a time (bounded host memory); the value is
+    the one of the whole-copy path (forced here on the CPU, with 4 MiB pieces)."""
+    from dsv4_oracle import compare
+    monkeypatch.setattr(compare, "_HASH_CHUNK", 1 << 22)
+    t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    for x in (t, t.t() if t.dim() == 2 else t[::2]):
+        assert compare.content_hash(x, piecewise=True) == compare.content_hash(x)
