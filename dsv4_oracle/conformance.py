@@ -57,8 +57,9 @@ from .hints import (AXES, PRECISION_VARIANTS, SINK_VARIANTS, concentration_hint,
                     looser_precision, nonfinite_pattern, what_is_wrong)
 from .invoke import OpError, call_op, text
 from .outputs import unusable
-from .compare import (CheckResult, NumericComparison, compare_exact, compare_numeric, compare_topk, content_hash,
-                      error_ratios, near_tie_rows, not_judged, row_chunks)
+from .compare import (CheckResult, NumericComparison, compare_exact, compare_numeric,
+                      compare_topk, content_hash, error_ratios, near_tie_rows, not_judged,
+                      row_chunks)
 
 __all__ = ["QUANTITIES", "FORWARD_OUTPUTS", "BACKWARD_OPS", "BACKWARD_CONVENTIONS", "STAGES",
            "Stage", "Run", "OpError", "applies", "oracle_stage", "oracle_outputs", "run_ops",
@@ -719,11 +720,13 @@ WHOLE_BYTES = 1 << 33           # a failed stream is re-judged whole up to these
 
 
 class Streaming(NamedTuple):
-    """How the judge evaluates the attention stages (contract section 6) at large ``T``.
+    """How the judge evaluates the indexer scores, their Top-K and the attention stages
+    (contract sections 4, 6 and 7) at large ``T``.
 
-    The forward's ``out``/``lse`` and the backward's ``dq`` are per row; ``dkv`` and ``dsink``
-    are sums over rows. A case whose rows exceed one block is judged block of rows by block of
-    rows on the oracle device: per block the oracle, its bound and the comparison
+    The scores, the forward's ``out``/``lse`` and the backward's ``dq`` are per row; ``dkv``
+    and ``dsink`` are sums over rows. A case whose rows exceed one block is judged block of
+    rows by block of rows on the oracle device: per block the oracle, its bound and the
+    comparison
     (:class:`compare.NumericComparison`), then the block is dropped; the key-side gradients and
     their bounds are folded in row order (``AttentionGradSums``, ``AttentionBoundSums``). Never
     a float64 ``[T, H, D]`` tensor of the whole case; every field of every check is the one of
@@ -733,9 +736,10 @@ class Streaming(NamedTuple):
     fail is re-judged whole (for the hints that need whole tensors) when that fits
     ``WHOLE_BYTES``.
 
-    ``block_rows``: rows per block (rounded up to a whole number of the bounds' chunks;
-    default: ``STREAM_BYTES`` of float64 ``[rows, H, D]``); ``bound_rows``: the attention
-    bounds' rows per chunk (default: theirs); ``enabled=False``: always whole."""
+    ``block_rows``: rows per block (for attention rounded up to a whole number of the bounds'
+    chunks, for the scores moved onto each document's chunk grid; default: ``STREAM_BYTES`` of
+    float64 ``[rows, H, D]``, or ``[rows, C]`` for the scores); ``bound_rows``: the bounds' rows
+    per chunk (default: theirs); ``enabled=False``: always whole."""
 
     block_rows: int | None = None
     bound_rows: int | None = None
@@ -793,7 +797,7 @@ def _forward_streamed(j: "_Judging", st: Stage, blocks) -> list:
     maps = {n: [] for n in cmp}
     with j.comparing():
         for r in blocks:
-            b = {k: (v[k][r] if k in _ROW_READS and v[k] is not None else v[k]) for k in v}
+            b = _block_of(v, r)
             o = R.sparse_attention_forward(b["q"], b["kv"], b["ids"], b["sink"],
                                            lengths=b["att_lengths"], **kw)
             bound = EM.attention_forward_bound(b["q"], b["kv"], b["ids"], b["sink"], *o,
@@ -805,20 +809,8 @@ def _forward_streamed(j: "_Judging", st: Stage, blocks) -> list:
                     if j.maps is not None and cmp[n].same_shape:
                         maps[n].append(error_ratio_map(j.got[n][r], e, bd).cpu())
     checks = [_tagged(cmp[n].result(), n) for n in ("out", "lse") if n in cmp]
-    lse_o = _oracle_lse(j)
-    empty = torch.isinf(lse_o[:, 0]) if lse_o.numel() else \
-        torch.zeros(lse_o.shape[0], dtype=torch.bool)
-    for name, what in (("out", "out == 0"), ("lse", "lse == +inf")):
-        g = j.got.get(name)
-        if g is not None and tuple(g.shape) == shapes[name]:
-            g = g.detach().to("cpu")
-            exp = torch.zeros((int(empty.sum()),) + shapes[name][1:], dtype=g.dtype) \
-                if name == "out" else lse_o[empty].to(g.dtype)
-            checks.append(_tagged(compare_exact(f"sink-only rows: {what}", g[empty], exp),
-                                  "sink_only"))
-            if j.maps is not None:
-                j.maps[name] = torch.cat(maps[name])
-    return checks
+    return checks + _sink_only_forward(j, _oracle_lse(j), shapes,
+                                       lambda name, g: torch.cat(maps[name]))
 
 
 class _Judging:
@@ -1075,10 +1067,7 @@ def _judge_rows(j: _Judging, st: Stage) -> list:
 
 def _sink_only_rows(j: _Judging) -> torch.Tensor:
     """Rows with no valid key (the oracle's ``lse`` is ``+inf``): bool ``[T]``."""
-    lse_o = _oracle_lse(j)
-    if lse_o.numel():
-        return torch.isinf(lse_o[:, 0])
-    return torch.zeros(lse_o.shape[0], dtype=torch.bool)
+    return _empty_rows(_oracle_lse(j))
 
 
 def _judge_forward(j: _Judging, st: Stage) -> list:
@@ -1102,18 +1091,37 @@ def _judge_forward(j: _Judging, st: Stage) -> list:
             if not c.passed and "pattern" not in c.extra:
                 c = _forward_variant_hint(j, st, v, c, name)
             checks.append(c)
-    empty = _sink_only_rows(j)
-    for name, exp, what in (("out", torch.zeros_like(out_o), "out == 0"),
-                            ("lse", lse_o, "lse == +inf")):
+    expected = {"out": (out_o, b_out), "lse": (lse_o, b_lse)}
+
+    def ratio_map(name, g):
+        with j.comparing():
+            return error_ratio_map(g, *expected[name]).cpu()
+    return checks + _sink_only_forward(j, lse_o, {n: tuple(e.shape) for n, (e, _) in
+                                                  expected.items()}, ratio_map)
+
+
+def _empty_rows(lse_o: torch.Tensor) -> torch.Tensor:
+    """Rows with no valid key (the oracle's ``lse`` is ``+inf``): bool ``[T]``."""
+    if lse_o.numel():
+        return torch.isinf(lse_o[:, 0])
+    return torch.zeros(lse_o.shape[0], dtype=torch.bool)
+
+
+def _sink_only_forward(j: _Judging, lse_o, shapes: dict, ratio_map) -> list:
+    """Section 6, rows with no key, exactly: ``out == 0`` and ``lse == +inf`` where the oracle's
+    ``lse_o`` is ``+inf``; and, when ``j.maps`` asks, each output's ``(row, head)`` error map
+    (``ratio_map(name, got)``)."""
+    empty, checks = _empty_rows(lse_o), []
+    for name, what in (("out", "out == 0"), ("lse", "lse == +inf")):
         g = j.got.get(name)
-        if g is not None and tuple(g.shape) == tuple(exp.shape):
+        if g is not None and tuple(g.shape) == tuple(shapes[name]):
             g = g.detach().to("cpu")
-            checks.append(_tagged(compare_exact(f"sink-only rows: {what}", g[empty],
-                                                exp[empty].to(g.dtype)), "sink_only"))
+            exp = torch.zeros((int(empty.sum()),) + tuple(shapes[name][1:]), dtype=g.dtype) \
+                if name == "out" else lse_o[empty].to(g.dtype)
+            checks.append(_tagged(compare_exact(f"sink-only rows: {what}", g[empty], exp),
+                                  "sink_only"))
             if j.maps is not None:
-                with j.comparing():
-                    j.maps[name] = error_ratio_map(g, out_o if name == "out" else lse_o,
-                                                   b_out if name == "out" else b_lse).cpu()
+                j.maps[name] = ratio_map(name, g)
     return checks
 
 
@@ -1224,7 +1232,7 @@ class _Expectation:
         sums = AttentionGradSums.zeros(S, D, H)
         bsums = EM.AttentionBoundSums.zeros(S, D, H) if self.bound else None
         for r in self.blocks:
-            b = {k: (v[k][r] if k in _ROW_READS and v[k] is not None else v[k]) for k in v}
+            b = _block_of(v, r)
             out_error = None
             if self.conv == "recomputed":
                 b["out"], b["lse"] = R.sparse_attention_forward(
@@ -1250,6 +1258,12 @@ class _Expectation:
 
 
 _ROW_READS = ("q", "ids", "att_lengths", "out", "lse", "dout")
+
+
+def _block_of(v: dict, rows: slice) -> dict:
+    """An attention stage's reads for the rows ``rows``: the per-row ones sliced, the keys and
+    the sink whole."""
+    return {k: (t[rows] if k in _ROW_READS and t is not None else t) for k, t in v.items()}
 
 
 def _lockstep(*exps: _Expectation):
