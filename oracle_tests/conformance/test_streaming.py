@@ -86,31 +86,30 @@ def test_the_three_implementations_take_the_three_paths():
     assert not all(c["passed"] for c in checks["sign-flip"])
 
 
-def test_the_blocks_are_whole_bound_chunks_and_cover_the_rows():
-    case = next(c for c in CASES if c.T >= 40)
+def _judging(case, streaming=None):
+    """A judging of the torch backend's run of ``case`` (op level)."""
     x = case.materialize(device="cpu")
     adapter = _adapters()["torch"]
     run = K.run_ops(adapter, case, x)
-    j = K._Judging(case, x, run.got, run.consumed, level_precision(adapter, case.torch_dtype,
-                                                                   "op"), {}, None,
-                   streaming=K.Streaming(block_rows=5, bound_rows=3))
+    return K._Judging(case, x, run.got, run.consumed,
+                      level_precision(adapter, case.torch_dtype, "op"), {}, None,
+                      streaming=streaming)
+
+
+def test_the_blocks_are_whole_bound_chunks_and_cover_the_rows():
+    case = next(c for c in CASES if c.T >= 40)
+    j = _judging(case, K.Streaming(block_rows=5, bound_rows=3))
     blocks = K._blocks(j, K._STAGE["sparse_attention_backward"])
     assert blocks and all((b.stop - b.start) % 3 == 0 for b in blocks[:-1])
     assert blocks[0].start == 0 and blocks[-1].stop == case.T
     assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:]))
-    j = K._Judging(case, x, run.got, run.consumed, level_precision(adapter, case.torch_dtype,
-                                                                   "op"), {}, None)
+    j = _judging(case)
     assert K._blocks(j, K._STAGE["sparse_attention_backward"]) is None   # one block: whole
 
 
 def test_score_blocks_sit_on_the_bound_chunks_of_every_document():
     case = next(c for c in CASES if "dsa_v32" in c.categories and c.T >= 40)
-    x = case.materialize(device="cpu")
-    adapter = _adapters()["torch"]
-    run = K.run_ops(adapter, case, x)
-    j = K._Judging(case, x, run.got, run.consumed, level_precision(adapter, case.torch_dtype,
-                                                                   "op"), {}, None,
-                   streaming=K.Streaming(block_rows=5, bound_rows=3))
+    j = _judging(case, K.Streaming(block_rows=5, bound_rows=3))
     blocks = K._score_blocks(j)
     assert len(blocks) > 2 and blocks[0].start == 0 and blocks[-1].stop == case.T
     assert all(a.stop == b.start and a.start < a.stop for a, b in zip(blocks, blocks[1:]))
