@@ -256,7 +256,7 @@ class NumericComparison:
         if e.numel() and any(bool(torch.isnan(c).any()) or bool((c < 0).any())
                              for c in (_work(b[r]).to(_F64) for r in chunks)):
             raise ValueError("bound must be non-negative and free of NaN")
-        if not self.same_shape:
+        if not self.same_shape or not e.numel():
             return
         a = self.actual if rows is ... else self.actual[rows]
         for r in chunks:

@@ -196,3 +196,12 @@ def test_content_hash_piece_by_piece_is_the_same_value(shape, monkeypatch):
     t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
     for x in (t, t.t() if t.dim() == 2 else t[::2]):
         assert compare.content_hash(x, piecewise=True) == compare.content_hash(x)
+
+
+def test_an_empty_block_adds_nothing():
+    from dsv4_oracle.compare import NumericComparison, compare_numeric
+    c = NumericComparison("scores", torch.zeros(4, 0), (4, 0))
+    c.add(slice(0, 4), torch.zeros(4, 0), torch.zeros(4, 0))
+    assert c.result() == compare_numeric("scores", torch.zeros(4, 0), torch.zeros(4, 0),
+                                         torch.zeros(4, 0))
+    assert not c.result().judged
